@@ -1,0 +1,76 @@
+"""Capture head outputs of attention layers into covariance accumulators.
+
+Shared by :func:`hdi_monitor.head_diversity` (one-shot, ``inputs=``) and
+:class:`hdi_monitor.HDITracker` (during training). Family knowledge stays in the adapters: each
+:class:`~hdi_monitor.adapters.AttentionLayer` knows how to deliver its concatenated head outputs
+``o`` and a keep-mask; this module only routes them, adding the batch's padding mask when the batch
+is a dict holding the layer's ``mask_key`` with a matching shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hdi_monitor.adapters import AttentionLayer
+from hdi_monitor.covariance import HeadCovarianceAccumulator
+
+__all__ = ["attach_output_hooks", "call_model", "iter_batches", "batch_mask"]
+
+
+def batch_mask(batch: Any, key: str | None) -> Tensor | None:
+    """The token mask ``batch[key]`` when the batch is a mapping holding a tensor there."""
+    if key is None or not isinstance(batch, Mapping):
+        return None
+    mask = batch.get(key)
+    return mask if isinstance(mask, Tensor) else None
+
+
+def _on_output(acc: HeadCovarianceAccumulator, mask: Tensor | None, o: Tensor, keep: Tensor | None) -> None:
+    if mask is not None and tuple(mask.shape) == tuple(o.shape[:-1]):
+        mask = mask.to(device=o.device, dtype=torch.bool)
+        keep = mask if keep is None else keep & mask
+    acc.update(o.detach(), keep)
+
+
+def attach_output_hooks(
+    layers: Sequence[AttentionLayer],
+    accumulators: Sequence[HeadCovarianceAccumulator | None],
+    batch: Any = None,
+) -> list[Any]:
+    """Feed every layer's head outputs into its accumulator; returns handles to ``.remove()``."""
+    handles = []
+    try:
+        for layer, acc in zip(layers, accumulators, strict=True):
+            if acc is not None:
+                handles.append(layer.attach_output_hook(partial(_on_output, acc, batch_mask(batch, layer.mask_key))))
+    except BaseException:
+        for handle in handles:
+            handle.remove()
+        raise
+    return handles
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """Run one batch: a mapping as ``model(**batch)``, a tuple/list as ``model(*batch)``, else ``model(batch)``."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def iter_batches(inputs: Any) -> Iterable[Any]:
+    """``inputs`` as an iterable of batches: a tensor, mapping or tuple is one batch; a list of
+    mappings/tensors/tuples, a DataLoader or any other iterable is many."""
+    if isinstance(inputs, (Tensor, Mapping, tuple)):
+        return [inputs]
+    if isinstance(inputs, list) and inputs and not isinstance(inputs[0], (Tensor, Mapping, tuple, list)):
+        return [inputs]
+    if isinstance(inputs, Iterable):
+        return inputs
+    raise TypeError(f"inputs must be a batch (tensor, dict, tuple) or an iterable of batches, got {type(inputs).__name__}")

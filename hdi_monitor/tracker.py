@@ -1,0 +1,501 @@
+"""Framework-free measurement driver.
+
+:class:`HDITracker` decides when to measure, attaches head-output hooks only for a measured step,
+accumulates activation statistics, computes the per-layer report, feeds the early-warning
+detector, and writes to sinks. The Lightning callback (:mod:`hdi_monitor.callback`) and the other
+integrations are thin shells over it.
+
+Two ways to drive it:
+
+* **Plain PyTorch loop** (the tracker counts optimizer steps itself)::
+
+      tracker = HDITracker(model, every_n_steps=100, writer=SummaryWriter("runs/x"))
+      for batch in loader:
+          with tracker.capture(batch):      # hooks on only if this step is measured
+              loss = model(**batch).loss
+          loss.backward(); optimizer.step(); optimizer.zero_grad()
+          tracker.step()                    # finishes a pending measurement, advances the step
+
+* **Explicit** (what the callback does): ``begin(step, batch)`` before the forward pass,
+  ``stop_capture()`` before backward, ``finish()`` after the optimizer step.
+
+A measured step ``s`` reports the weights that produced step ``s``'s forward pass (measured in
+``begin``, before the optimizer changes them) and the activations of that forward pass, so the HDI
+point at ``s`` sits beside the training loss of step ``s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hdi_monitor.adapters import PROJECTIONS, AttentionLayer, AttentionSpec, find_attention_layers
+from hdi_monitor.capture import attach_output_hooks, call_model, iter_batches
+from hdi_monitor.covariance import HeadCovarianceAccumulator
+from hdi_monitor.diversity import WEIGHTINGS, pairwise_principal_angles
+from hdi_monitor.render import heatmap
+from hdi_monitor.report import DiversityReport, compute_report
+from hdi_monitor.saturation import DiversityEvent, DiversityWarning, SaturationDetector
+from hdi_monitor.sinks import Sink, TensorBoardSink, custom_scalars_layout
+
+__all__ = ["HDITracker", "Measurement", "MonitoringWarning"]
+
+EventAction = str | Callable[[DiversityEvent], Any]
+
+
+class MonitoringWarning(UserWarning):
+    """An internal error inside monitoring, turned into a warning so that training goes on."""
+
+
+@dataclass
+class Measurement:
+    """One measured step: the report, the scalars written, and the events raised."""
+
+    step: int
+    report: DiversityReport
+    scalars: dict[str, float]
+    events: list[DiversityEvent] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    step: int
+    report: DiversityReport
+    accumulators: list[HeadCovarianceAccumulator | None]
+    batch_masks: list[Tensor | None] = field(default_factory=list)
+
+
+def _check_positive_int(name: str, value: Any, *, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+class HDITracker:
+    """Measure head diversity every ``every_n_steps`` optimizer steps.
+
+    Args:
+        model: the model to watch (any ``nn.Module``; attention layers are found by the adapters).
+        every_n_steps: measure at steps ``0, N, 2N, ...``. Nothing runs on the steps in between.
+        projections: which of ``"query"``, ``"key"``, ``"value"``, ``"output"`` to measure.
+        weighting: ``"spectral"`` (default) or ``"uniform"`` subspace overlap.
+        layers: keep only these layers (a regex on qualified names, or a list of names).
+        spec: an :class:`~hdi_monitor.adapters.AttentionSpec` for models no built-in adapter knows.
+        log_images_every_n_steps: heatmaps and angle histograms every this many steps (a multiple of
+            ``every_n_steps`` is sensible). Default ``10 * every_n_steps``; 0 turns pictures off.
+        activations: also capture the measured step's head outputs (covariance, effective heads).
+        max_tokens: at most this many tokens per layer per measured forward pass (random subsample).
+        writer: a ``SummaryWriter``; shorthand for ``sinks=[TensorBoardSink(writer)]``.
+        sinks: where results go (see :mod:`hdi_monitor.sinks`).
+        detector: early-warning detector; None turns early warnings off.
+        on_saturation: ``"warn"`` (a :class:`DiversityWarning` per event), ``"stop"`` (warn, and set
+            :attr:`stop_requested` on saturation or collapse), or a callable receiving each event.
+        strict: raise internal errors instead of turning them into warnings (for tests).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        every_n_steps: int = 100,
+        projections: Sequence[str] = PROJECTIONS,
+        weighting: str = "spectral",
+        layers: str | Sequence[str] | None = None,
+        spec: AttentionSpec | None = None,
+        log_images_every_n_steps: int | None = None,
+        activations: bool = True,
+        max_tokens: int | None = 4096,
+        writer: Any = None,
+        sinks: Sequence[Sink] = (),
+        detector: SaturationDetector | None = None,
+        on_saturation: EventAction = "warn",
+        strict: bool = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        validate_settings(
+            every_n_steps=every_n_steps,
+            projections=projections,
+            weighting=weighting,
+            log_images_every_n_steps=log_images_every_n_steps,
+            max_tokens=max_tokens,
+            on_saturation=on_saturation,
+        )
+        self.model = model
+        self.every_n_steps = every_n_steps
+        self.projections = tuple(projections)
+        self.weighting = weighting
+        self.layer_filter = layers
+        self.spec = spec
+        self.log_images_every_n_steps = (
+            10 * every_n_steps if log_images_every_n_steps is None else log_images_every_n_steps
+        )
+        self.activations = bool(activations)
+        self.max_tokens = max_tokens
+        self.sinks: list[Sink] = list(sinks)
+        if writer is not None:
+            self.sinks.append(TensorBoardSink(writer))
+        self.detector = detector
+        self.on_saturation = on_saturation
+        self.strict = bool(strict)
+
+        self.history: list[dict[str, float]] = []
+        self.events: list[DiversityEvent] = []
+        self.last_measurement: Measurement | None = None
+        self.last_token_counts: list[int] = []  # tokens per layer in the last measurement (after sync)
+        self.stop_requested = False
+        self.disabled = False
+        self._layers: list[AttentionLayer] | None = None
+        self._pending: _Pending | None = None
+        self._handles: list[Any] = []
+        self._last_step = -1
+        self._step = 0  # own step counter for step()/capture()
+        self._layout_logged = False
+
+    # ------------------------------------------------------------------ public driving API
+    @property
+    def layers(self) -> list[AttentionLayer]:
+        """The attention layers being watched (found on first use)."""
+        if self._layers is None:
+            self._layers = find_attention_layers(self.model, spec=self.spec, layers=self.layer_filter)
+        return self._layers
+
+    @property
+    def current_step(self) -> int:
+        """The step counter used by :meth:`capture` and :meth:`step`."""
+        return self._step
+
+    def should_measure(self, step: int) -> bool:
+        """True if ``step`` is a measured step not measured before (so resumed runs never repeat)."""
+        return not self.disabled and step % self.every_n_steps == 0 and step > self._last_step
+
+    def begin(self, step: int, batch: Any = None) -> bool:
+        """Start (or, for further micro-batches of the same step, continue) a measurement.
+
+        Measures the weights now, before the optimizer step, and attaches head-output hooks when
+        ``activations`` is on. Returns True if step ``step`` is being measured.
+        """
+        if self._pending is not None and self._pending.step == step:
+            with self._guard("capturing head outputs"):
+                self._attach(batch)
+            return True
+        if not self.should_measure(step):
+            return False
+        return self._start(step, batch)
+
+    def _start(self, step: int, batch: Any) -> bool:
+        self.stop_capture()
+        self._pending = None  # an unfinished earlier measurement (e.g. after an exception) is dropped
+        with self._guard("measuring weights"):
+            layers = self.layers
+            report = compute_report(layers, projections=self.projections, weighting=self.weighting)
+            accs: list[HeadCovarianceAccumulator | None] = [None] * len(layers)
+            if self.activations:
+                accs = [HeadCovarianceAccumulator(la.num_heads, la.head_dim, max_tokens=self.max_tokens) for la in layers]
+            self._pending = _Pending(step=step, report=report, accumulators=accs)
+            self._attach(batch)
+            return True
+        return False
+
+    def stop_capture(self) -> None:
+        """Remove every hook (idempotent). Call before backward so recomputed forwards are not counted."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+    def finish(self) -> Measurement | None:
+        """Finish the pending measurement: compute, warn, write to the sinks. None if nothing was pending.
+
+        With activations, this runs a ``sync`` collective on every accumulator, so under
+        ``torch.distributed`` it must be called on every rank.
+        """
+        self.stop_capture()
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        with self._guard("computing the measurement"):
+            return self._finish(pending)
+        return None
+
+    @contextlib.contextmanager
+    def capture(self, batch: Any = None) -> Iterator[bool]:
+        """Context manager around the forward pass of the current step (plain loops).
+
+        Yields True if this step is measured. Hooks are removed on exit, also on exceptions.
+        """
+        measured = self.begin(self._step, batch)
+        try:
+            yield measured
+        finally:
+            self.stop_capture()
+
+    def step(self) -> Measurement | None:
+        """Call after ``optimizer.step()`` in a plain loop.
+
+        Finishes the current step's measurement (weights only if :meth:`capture` was not used) and
+        advances the step counter. Returns the measurement of the step just finished, if any.
+        """
+        if self._pending is None or self._pending.step != self._step:
+            self.begin(self._step)  # weights-only measurement when capture() was not used
+        result = self.finish()
+        self._step += 1
+        return result
+
+    def measure(self, inputs: Any = None, *, step: int | None = None) -> Measurement | None:
+        """Measure now, whatever the schedule; with ``inputs`` (a batch or an iterable of batches)
+        and ``activations`` on, run them through the model to collect head-output statistics."""
+        step = self._step if step is None else step
+        if not self._start(step, None):
+            return None
+        if inputs is not None and self.activations:
+            with self._guard("running inputs through the model"), torch.no_grad():
+                for batch in iter_batches(inputs):
+                    self.stop_capture()
+                    self._attach(batch)
+                    call_model(self.model, batch)
+        return self.finish()
+
+    def close(self) -> None:
+        """Remove hooks and drop any unfinished measurement; flush the sinks."""
+        self.stop_capture()
+        self._pending = None
+        for sink in self.sinks:
+            with self._guard("flushing a sink"):
+                sink.flush()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """History, last measured step and detector state (plain Python types)."""
+        return {
+            "history": [dict(h) for h in self.history],
+            "last_step": self._last_step,
+            "step": self._step,
+            "events": [e.to_dict() for e in self.events],
+            "detector": self.detector.state_dict() if self.detector is not None else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.history = [dict(h) for h in state.get("history", [])]
+        self._last_step = int(state.get("last_step", -1))
+        self._step = int(state.get("step", 0))
+        self.events = [DiversityEvent(**e) for e in state.get("events", [])]
+        if self.detector is not None and state.get("detector") is not None:
+            self.detector.load_state_dict(state["detector"])
+
+    # ------------------------------------------------------------------ internals
+    @contextlib.contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception as err:
+            self.stop_capture()
+            self._pending = None
+            if self.strict:
+                raise
+            warnings.warn(
+                f"hdi-monitor: error while {what}; training goes on, this measurement is skipped "
+                f"({type(err).__name__}: {err}). Pass strict=True to raise instead.",
+                MonitoringWarning,
+                stacklevel=3,
+            )
+
+    def _attach(self, batch: Any) -> None:
+        pending = self._pending
+        if pending is not None and self.activations:
+            self._handles += attach_output_hooks(self.layers, pending.accumulators, batch)
+
+    def _finish(self, pending: _Pending) -> Measurement:
+        report, step = pending.report, pending.step
+        self.last_token_counts = []
+        if self.activations:
+            for layer, acc, entry in zip(self.layers, pending.accumulators, report.layers):
+                if acc is None:
+                    continue
+                acc.sync()
+                self.last_token_counts.append(acc.num_tokens)
+                if acc.num_tokens < 2:
+                    continue
+                result = acc.compute(layer.head_weights("output"))
+                entry.covariance = result.covariance.cpu()
+                entry.correlation = result.correlation.cpu()
+                entry.effective_heads = result.effective_heads
+                entry.mean_correlation = result.mean_correlation
+                entry.variance_ratio = result.variance_ratio
+
+        scalars = self._scalars(report)
+        events = self._detect(step, report)
+        for event in events:
+            scalars[f"diversity_events/{event.kind}"] = scalars.get(f"diversity_events/{event.kind}", 0.0) + 1.0
+        measurement = Measurement(step=step, report=report, scalars=scalars, events=events)
+
+        images, histograms = {}, {}
+        if self.log_images_every_n_steps and step % self.log_images_every_n_steps == 0:
+            images, histograms = self._pictures(report)
+        self._write(measurement, images, histograms)
+        self.history.append({"step": float(step), **scalars})
+        self.events.extend(events)
+        self.last_measurement = measurement
+        self._last_step = max(self._last_step, step)
+        self._dispatch(events)
+        return measurement
+
+    def _scalars(self, report: DiversityReport) -> dict[str, float]:
+        scalars: dict[str, float] = {}
+        for projection in self.projections:
+            chance, cap = [], []
+            for layer in report.layers:
+                value = layer.hdi.get(projection)
+                if _finite(value):
+                    scalars[f"hdi/{projection}/{layer.name}"] = float(value)
+                    chance.append(layer.chance_hdi[projection])
+                    if layer.max_hdi.get(projection) is not None:
+                        cap.append(layer.max_hdi[projection])
+            mean = report.mean_hdi(projection)
+            if _finite(mean):
+                scalars[f"hdi/{projection}/mean"] = float(mean)
+            if chance:
+                scalars[f"hdi_chance/{projection}"] = float(sum(chance) / len(chance))
+            if cap:
+                scalars[f"hdi_max/{projection}"] = float(sum(cap) / len(cap))
+        if self.activations:
+            eff, corr = [], []
+            for layer in report.layers:
+                if _finite(layer.effective_heads):
+                    scalars[f"effective_heads/{layer.name}"] = float(layer.effective_heads)
+                    eff.append(float(layer.effective_heads))
+                if _finite(layer.mean_correlation):
+                    scalars[f"head_correlation/{layer.name}"] = float(layer.mean_correlation)
+                    corr.append(float(layer.mean_correlation))
+            if eff:
+                scalars["effective_heads/mean"] = sum(eff) / len(eff)
+            if corr:
+                scalars["head_correlation/mean"] = sum(corr) / len(corr)
+        return scalars
+
+    def _detect(self, step: int, report: DiversityReport) -> list[DiversityEvent]:
+        if self.detector is None:
+            return []
+        events: list[DiversityEvent] = []
+        for projection in self.projections:
+            chances = []
+            for layer in report.layers:
+                value = layer.hdi.get(projection)
+                if value is None:
+                    continue
+                chance = layer.chance_hdi[projection]
+                chances.append(chance)
+                events += self.detector.update(
+                    step, layer.name, projection, value, chance=chance, pairwise=layer.overlap.get(projection)
+                )
+            mean = report.mean_hdi(projection)
+            if mean is not None and chances:
+                events += self.detector.update(step, "mean", projection, mean, chance=sum(chances) / len(chances))
+        if self.activations:
+            for layer in report.layers:
+                if layer.effective_heads is None:
+                    continue
+                events += self.detector.update(
+                    step,
+                    layer.name,
+                    "activations",
+                    layer.effective_heads,
+                    metric="effective_heads",
+                    pairwise=layer.correlation,
+                )
+        return events
+
+    def _pictures(self, report: DiversityReport) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        images: dict[str, Tensor] = {}
+        for layer in report.layers:
+            for projection, overlap in layer.overlap.items():
+                if overlap.shape[-1] >= 2:
+                    images[f"overlap/{projection}/{layer.name}"] = heatmap(overlap, vmin=0.0, vmax=1.0)
+            if layer.correlation is not None and layer.correlation.shape[-1] >= 2:
+                images[f"correlation/{layer.name}"] = heatmap(layer.correlation, vmin=-1.0, vmax=1.0, cmap="RdBu_r")
+        histograms = {f"principal_angles_deg/{p}": self._angles(p) for p in self.projections}
+        return images, histograms
+
+    def _angles(self, projection: str) -> Tensor:
+        """Principal angles (degrees) of every head pair i < j of every layer, batched per shape."""
+        groups: dict[tuple, list[Tensor]] = {}
+        for layer in self.layers:
+            w = layer.head_weights(projection)
+            if w.shape[0] >= 2:
+                groups.setdefault((tuple(w.shape), w.dtype, w.device), []).append(w)
+        values = []
+        for weights in groups.values():
+            angles = pairwise_principal_angles(torch.stack(weights))  # (L, H, H, d)
+            h = angles.shape[1]
+            i, j = torch.triu_indices(h, h, offset=1, device=angles.device)
+            picked = angles[:, i, j].flatten()
+            values.append(picked[~torch.isnan(picked)])
+        if not values:
+            return torch.empty(0)
+        return torch.rad2deg(torch.cat([v.cpu() for v in values])).float()
+
+    def _write(self, m: Measurement, images: dict[str, Tensor], histograms: dict[str, Tensor]) -> None:
+        if not self.sinks:
+            return
+        if not self._layout_logged:
+            names = {p: [la.name for la in m.report.layers if la.hdi.get(p) is not None] for p in self.projections}
+            layout = custom_scalars_layout(names, activations=self.activations)
+            for sink in self.sinks:
+                sink.log_layout(layout)
+            self._layout_logged = True
+        for sink in self.sinks:
+            sink.log_scalars(m.scalars, m.step)
+            if images:
+                sink.log_images(images, m.step)
+            if histograms:
+                sink.log_histograms(histograms, m.step)
+            for event in m.events:
+                sink.log_text(f"diversity_events/{event.kind}", event.message, m.step)
+            sink.flush()
+
+    def _dispatch(self, events: list[DiversityEvent]) -> None:
+        for event in events:
+            if callable(self.on_saturation):
+                self.on_saturation(event)
+                continue
+            warnings.warn(event.message, DiversityWarning, stacklevel=4)
+            if self.on_saturation == "stop" and event.kind in ("saturation", "collapse"):
+                self.stop_requested = True
+
+
+def validate_settings(
+    *,
+    every_n_steps: int,
+    projections: Sequence[str],
+    weighting: str,
+    log_images_every_n_steps: int | None,
+    max_tokens: int | None,
+    on_saturation: EventAction,
+) -> None:
+    """Check the tracker's settings; shared with the Lightning callback so both fail in ``__init__``."""
+    _check_positive_int("every_n_steps", every_n_steps)
+    if isinstance(projections, str) or not isinstance(projections, Sequence) or not projections:
+        raise ValueError(f"projections must be a non-empty sequence drawn from {PROJECTIONS}, got {projections!r}")
+    unknown = [p for p in projections if p not in PROJECTIONS]
+    if unknown:
+        raise ValueError(f"unknown projection(s) {unknown}; choose from {PROJECTIONS}")
+    if len(set(projections)) != len(projections):
+        raise ValueError(f"projections has duplicates: {list(projections)}")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+    if log_images_every_n_steps is not None:
+        _check_positive_int("log_images_every_n_steps", log_images_every_n_steps, allow_zero=True)
+    if max_tokens is not None:
+        _check_positive_int("max_tokens", max_tokens)
+    if not callable(on_saturation) and on_saturation not in ("warn", "stop"):
+        raise ValueError(f"on_saturation must be 'warn', 'stop' or a callable, got {on_saturation!r}")

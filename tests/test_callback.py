@@ -1,0 +1,289 @@
+"""HDIMonitor end to end: a real Trainer, event files read back with EventAccumulator."""
+
+from __future__ import annotations
+
+import csv
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+from conftest import read_events, scalar_series
+from hdi_monitor import HDIMonitor, head_diversity
+from hdi_monitor.demo import CharLM
+
+PROJECTIONS = ("query", "key", "value", "output")
+LAYERS = ("encoder.layers.0.self_attn", "encoder.layers.1.self_attn")
+
+
+def tiny_lm(lr: float = 0.0) -> CharLM:
+    torch.manual_seed(0)
+    return CharLM(d_model=32, num_heads=4, num_layers=2, seq_len=16, lr=lr)
+
+
+def loader(n: int = 64, batch_size: int = 4) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 128, (n, 17), generator=g)
+    return DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=batch_size)
+
+
+def trainer(tmp_path: Path, monitor: HDIMonitor | list, max_steps: int, logger=None, **kw) -> pl.Trainer:
+    kw.setdefault("enable_checkpointing", False)
+    return pl.Trainer(
+        max_steps=max_steps,
+        logger=TensorBoardLogger(str(tmp_path), name="tb") if logger is None else logger,
+        callbacks=monitor if isinstance(monitor, list) else [monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        log_every_n_steps=1,
+        accelerator="cpu",
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def tb_run(tmp_path_factory):
+    """One lr=0 run: 10 steps, measure every 3 steps, images every 6."""
+    tmp = tmp_path_factory.mktemp("tb")
+    model = tiny_lm()
+    monitor = HDIMonitor(every_n_steps=3, log_images_every_n_steps=6, strict=True, early_warning=False)
+    t = trainer(tmp, monitor, max_steps=10)
+    t.fit(model, loader())
+    return model, monitor, t, read_events(t.logger.log_dir)
+
+
+def test_scalars_equal_head_diversity_of_the_model(tb_run):
+    model, monitor, _, accs = tb_run
+    reference = head_diversity(model, projections=PROJECTIONS)
+    assert [layer.name for layer in reference.layers] == list(LAYERS)
+    for layer in reference.layers:
+        for projection in PROJECTIONS:
+            series = scalar_series(accs, f"hdi/{projection}/{layer.name}")
+            assert sorted(series) == [0, 3, 6, 9]
+            for value in series.values():  # lr=0: every measured step sees the same weights
+                assert value == pytest.approx(layer.hdi[projection], rel=1e-6, abs=1e-7)
+    for projection in PROJECTIONS:
+        mean = scalar_series(accs, f"hdi/{projection}/mean")
+        assert mean[9] == pytest.approx(reference.mean_hdi(projection), rel=1e-6)
+        chance = scalar_series(accs, f"hdi_chance/{projection}")
+        assert chance[0] == pytest.approx(1 - 8 / (32 + 8 + 1), rel=1e-6)  # d=8, D=32, spectral
+
+
+def test_nothing_logged_between_measured_steps(tb_run):
+    _, _, _, accs = tb_run
+    steps = set()
+    for acc in accs:
+        for tag in acc.Tags()["scalars"]:
+            if tag.split("/")[0] in {"hdi", "hdi_chance", "hdi_max", "effective_heads", "head_correlation"}:
+                steps |= {ev.step for ev in acc.Scalars(tag)}
+    assert steps == {0, 3, 6, 9}
+
+
+def test_step_axis_matches_training_loss(tb_run):
+    _, _, _, accs = tb_run
+    loss_steps = set(scalar_series(accs, "train_loss"))
+    assert {0, 3, 6, 9} <= loss_steps
+
+
+def test_images_and_histograms_at_image_steps(tb_run):
+    _, _, _, accs = tb_run
+    images = {t for acc in accs for t in acc.Tags()["images"]}
+    expected = {f"overlap/{p}/{name}" for p in PROJECTIONS for name in LAYERS} | {f"correlation/{n}" for n in LAYERS}
+    assert expected <= images
+    for acc in accs:
+        for tag in acc.Tags()["images"]:
+            events = acc.Images(tag)
+            assert [e.step for e in events] == [0, 6]
+            assert events[0].width > 4 * 10 and events[0].height == events[0].width  # upscaled square with labels
+    hists = {t: acc.Histograms(t) for acc in accs for t in acc.Tags()["histograms"]}
+    for p in PROJECTIONS:
+        events = hists[f"principal_angles_deg/{p}"]
+        assert [e.step for e in events] == [0, 6]
+        # 2 layers x C(4, 2) pairs x 8 angles each
+        assert events[0].histogram_value.num == 2 * 6 * 8
+        assert 0 <= events[0].histogram_value.min and events[0].histogram_value.max <= 90.0 + 1e-4
+
+
+def test_custom_scalars_layout_written_once(tb_run):
+    _, _, _, accs = tb_run
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    found = []
+    for acc in accs:
+        if "custom_scalars__config__" in acc.Tags()["tensors"]:
+            for ev in acc.Tensors("custom_scalars__config__"):
+                layout = layout_pb2.Layout()
+                layout.ParseFromString(ev.tensor_proto.string_val[0])
+                found.append(layout)
+    assert len(found) == 1
+    titles = {chart.title for cat in found[0].category for chart in cat.chart}
+    assert {f"HDI ({p})" for p in PROJECTIONS} <= titles
+    chart = next(c for cat in found[0].category for c in cat.chart if c.title == "HDI (key)")
+    import re
+
+    patterns = list(chart.multiline.tag)
+    for tag in [f"hdi/key/{n}" for n in LAYERS] + ["hdi_chance/key", "hdi/key/mean"]:
+        assert any(re.search(p, tag) for p in patterns), tag
+    assert not any(re.search(p, "hdi/query/" + LAYERS[0]) for p in patterns)
+
+
+def test_activation_scalars_logged(tb_run):
+    _, monitor, _, accs = tb_run
+    for name in LAYERS:
+        eff = scalar_series(accs, f"effective_heads/{name}")
+        assert sorted(eff) == [0, 3, 6, 9]
+        assert all(0 < v < 10 for v in eff.values())
+        corr = scalar_series(accs, f"head_correlation/{name}")
+        assert all(-1 <= v <= 1 for v in corr.values())
+    assert [h["step"] for h in monitor.history] == [0, 3, 6, 9]
+
+
+def test_hooks_removed_after_training(tb_run):
+    model, *_ = tb_run
+    for module in model.modules():
+        assert not module._forward_pre_hooks and not module._forward_hooks
+
+
+def test_csv_logger_gets_scalars(tmp_path):
+    model = tiny_lm()
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, strict=True, early_warning=False)
+    t = trainer(tmp_path, monitor, max_steps=5, logger=CSVLogger(str(tmp_path), name="csv"))
+    t.fit(model, loader())
+    rows = list(csv.DictReader(open(Path(t.logger.log_dir) / "metrics.csv")))
+    ref = head_diversity(model, projections=("key",))
+    col = f"hdi/key/{LAYERS[0]}"
+    logged = {int(r["step"]): float(r[col]) for r in rows if r.get(col)}
+    assert sorted(logged) == [0, 2, 4]
+    assert logged[4] == pytest.approx(ref.layers[0].hdi["key"], rel=1e-6)
+
+
+def test_resume_continues_history_without_duplicates(tmp_path):
+    ckpt_cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=4)
+    model = tiny_lm(lr=1e-3)
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, strict=True, early_warning=False)
+    t = trainer(tmp_path, [monitor, ckpt_cb], max_steps=4, enable_checkpointing=True)
+    t.fit(model, loader())
+    assert [h["step"] for h in monitor.history] == [0, 2]
+
+    monitor2 = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, strict=True, early_warning=False)
+    t2 = trainer(tmp_path, [monitor2], max_steps=9, logger=TensorBoardLogger(str(tmp_path), name="tb"))
+    t2.fit(tiny_lm(lr=1e-3), loader(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert [h["step"] for h in monitor2.history] == [0, 2, 4, 6, 8]
+    # first run's points come back from the checkpoint unchanged
+    assert monitor2.history[:2] == monitor.history
+    accs = read_events(tmp_path / "tb")
+    series = scalar_series(accs, f"hdi/key/{LAYERS[0]}")  # asserts no step appears twice across files
+    assert sorted(series) == [0, 2, 4, 6, 8]
+
+
+def test_gradient_accumulation_measures_optimizer_steps(tmp_path):
+    model = tiny_lm()
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), strict=True, early_warning=False, max_tokens=None)
+    t = trainer(tmp_path, monitor, max_steps=5, accumulate_grad_batches=3)
+    t.fit(model, loader(n=80))
+    assert [h["step"] for h in monitor.history] == [0, 2, 4]
+    # head outputs come from all 3 micro-batches of the measured step: 3 x 4 sequences x 16 tokens
+    cov = monitor.last_measurement.report.layers[0]
+    assert cov.effective_heads is not None
+    assert monitor.tracker.last_token_counts[0] == 3 * 4 * 16
+
+
+def test_no_logger_warns_and_keeps_history(tmp_path):
+    model = tiny_lm()
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, strict=True, early_warning=False)
+    with pytest.warns(UserWarning, match="no logger"):
+        trainer(tmp_path, monitor, max_steps=3, logger=False).fit(model, loader())
+    assert [h["step"] for h in monitor.history] == [0, 2]
+
+
+def test_fast_dev_run(tmp_path):
+    monitor = HDIMonitor(every_n_steps=1, strict=True, early_warning=False)
+    t = pl.Trainer(fast_dev_run=2, callbacks=[monitor], accelerator="cpu", enable_progress_bar=False)
+    t.fit(tiny_lm(), loader())
+    assert [h["step"] for h in monitor.history] == [0, 1]
+
+
+def test_two_monitors_coexist_with_state_keys(tmp_path):
+    a = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, state_key="a", early_warning=False)
+    b = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, state_key="b", early_warning=False)
+    assert a.state_key != b.state_key
+    trainer(tmp_path, [a, b], max_steps=3).fit(tiny_lm(), loader())
+    assert [h["step"] for h in a.history] == [h["step"] for h in b.history] == [0, 2]
+
+
+def test_internal_error_becomes_warning_and_training_goes_on(tmp_path, monkeypatch):
+    import hdi_monitor.tracker as tracker_mod
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(tracker_mod, "compute_report", broken)
+    model = tiny_lm()
+    monitor = HDIMonitor(every_n_steps=1, early_warning=False)
+    with pytest.warns(tracker_mod.MonitoringWarning, match="boom"):
+        t = trainer(tmp_path, monitor, max_steps=3)
+        t.fit(model, loader())
+    assert t.global_step == 3
+    assert monitor.history == []
+
+    strict = HDIMonitor(every_n_steps=1, strict=True, early_warning=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer(tmp_path, strict, max_steps=3).fit(tiny_lm(), loader())
+
+
+def test_hooks_removed_on_exception(tmp_path):
+    class Exploding(CharLM):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 2:
+                raise ValueError("user code failed")
+            return super().training_step(batch, batch_idx)
+
+    torch.manual_seed(0)
+    model = Exploding(d_model=32, num_heads=4, num_layers=2, seq_len=16, lr=0.0)
+    monitor = HDIMonitor(every_n_steps=2, strict=True, early_warning=False)
+    with pytest.raises(ValueError, match="user code failed"):
+        trainer(tmp_path, monitor, max_steps=5).fit(model, loader())
+    for module in model.modules():
+        assert not module._forward_pre_hooks and not module._forward_hooks
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"every_n_steps": 0}, "every_n_steps"),
+        ({"projections": ("keys",)}, "unknown projection"),
+        ({"projections": "key"}, "projections"),
+        ({"weighting": "svd"}, "weighting"),
+        ({"log_images_every_n_steps": -1}, "log_images_every_n_steps"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"on_saturation": "explode"}, "on_saturation"),
+    ],
+)
+def test_bad_arguments_fail_in_init(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HDIMonitor(**kwargs)
+
+
+def test_no_attention_layer_disables_with_warning(tmp_path):
+    class MLP(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(16, 128)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0].float()).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    monitor = HDIMonitor(every_n_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, monitor, max_steps=2).fit(MLP(), loader())
+    assert any("HDIMonitor is disabled" in str(w.message) for w in caught)
+    assert monitor.history == []
