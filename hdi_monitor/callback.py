@@ -24,7 +24,12 @@ from hdi_monitor.saturation import DiversityEvent, SaturationDetector
 from hdi_monitor.sinks import LoggerSink, Sink, TensorBoardSink
 from hdi_monitor.tracker import HDITracker, Measurement, validate_settings
 
-__all__ = ["HDIMonitor"]
+__all__ = ["HDIMonitor", "ACTIVATION_MIN_DELTA", "ACTIVATION_COLLAPSE_DELTA"]
+
+#: Effective-heads series: a rise of less than this many heads is no improvement.
+ACTIVATION_MIN_DELTA = 0.05
+#: Effective-heads series: losing more than this many effective heads from the best is a collapse.
+ACTIVATION_COLLAPSE_DELTA = 1.0
 
 
 class HDIMonitor(Callback):
@@ -45,8 +50,11 @@ class HDIMonitor(Callback):
             this many steps (default ``10 * every_n_steps``; 0 turns them off).
         activations: capture the measured batch's head outputs (covariance, effective heads).
         max_tokens: at most this many tokens per layer per measured batch (random subsample).
-        early_warning: run the saturation/collapse/redundancy detector.
-        patience: measurements without improvement before saturation fires.
+        early_warning: run the saturation/collapse/redundancy detectors (see the README,
+            "Early warnings"). Effective heads are watched with thresholds in heads
+            (``ACTIVATION_MIN_DELTA``, ``ACTIVATION_COLLAPSE_DELTA``).
+        patience: measurements without improvement before saturation fires (10 measurements =
+            1,000 steps at ``every_n_steps=100``).
         min_delta: smallest change in HDI that counts as improvement.
         warmup_steps: no events before this optimizer step.
         mode: ``"max"`` (rising HDI is improvement) or ``"min"``.
@@ -69,7 +77,7 @@ class HDIMonitor(Callback):
         activations: bool = True,
         max_tokens: int | None = 4096,
         early_warning: bool = True,
-        patience: int = 5,
+        patience: int = 10,
         min_delta: float = 0.002,
         warmup_steps: int = 1000,
         mode: str = "max",
@@ -89,6 +97,7 @@ class HDIMonitor(Callback):
             on_saturation=on_saturation,
         )
         self.detector: SaturationDetector | None = None
+        self.activation_detector: SaturationDetector | None = None
         if early_warning:
             self.detector = SaturationDetector(
                 patience=patience,
@@ -98,6 +107,15 @@ class HDIMonitor(Callback):
                 collapse_delta=collapse_delta,
                 redundancy_threshold=redundancy_threshold,
             )
+            if activations:  # effective heads are counted in heads: thresholds in heads
+                self.activation_detector = SaturationDetector(
+                    patience=patience,
+                    min_delta=ACTIVATION_MIN_DELTA,
+                    warmup_steps=warmup_steps,
+                    mode=mode,
+                    collapse_delta=ACTIVATION_COLLAPSE_DELTA,
+                    redundancy_threshold=redundancy_threshold,
+                )
         if state_key is not None and not isinstance(state_key, str):
             raise TypeError(f"state_key must be a string, got {type(state_key).__name__}")
         self.every_n_steps = every_n_steps
@@ -157,6 +175,7 @@ class HDIMonitor(Callback):
             max_tokens=self.max_tokens,
             sinks=sinks,
             detector=self.detector,
+            activation_detector=self.activation_detector,
             on_saturation=self.on_saturation,
             strict=self.strict,
         )

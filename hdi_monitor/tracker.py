@@ -98,7 +98,9 @@ class HDITracker:
         max_tokens: at most this many tokens per layer per measured forward pass (random subsample).
         writer: a ``SummaryWriter``; shorthand for ``sinks=[TensorBoardSink(writer)]``.
         sinks: where results go (see :mod:`hdi_monitor.sinks`).
-        detector: early-warning detector; None turns early warnings off.
+        detector: early-warning detector for the HDI series; None turns those warnings off.
+        activation_detector: early-warning detector for the effective-heads series (thresholds in
+            heads) and for redundant head pairs by output correlation; None turns them off.
         on_saturation: ``"warn"`` (a :class:`DiversityWarning` per event), ``"stop"`` (warn, and set
             :attr:`stop_requested` on saturation or collapse), or a callable receiving each event.
         strict: raise internal errors instead of turning them into warnings (for tests).
@@ -119,6 +121,7 @@ class HDITracker:
         writer: Any = None,
         sinks: Sequence[Sink] = (),
         detector: SaturationDetector | None = None,
+        activation_detector: SaturationDetector | None = None,
         on_saturation: EventAction = "warn",
         strict: bool = False,
     ) -> None:
@@ -147,6 +150,7 @@ class HDITracker:
         if writer is not None:
             self.sinks.append(TensorBoardSink(writer))
         self.detector = detector
+        self.activation_detector = activation_detector
         self.on_saturation = on_saturation
         self.strict = bool(strict)
 
@@ -283,6 +287,9 @@ class HDITracker:
             "step": self._step,
             "events": [e.to_dict() for e in self.events],
             "detector": self.detector.state_dict() if self.detector is not None else None,
+            "activation_detector": (
+                self.activation_detector.state_dict() if self.activation_detector is not None else None
+            ),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -292,6 +299,8 @@ class HDITracker:
         self.events = [DiversityEvent(**e) for e in state.get("events", [])]
         if self.detector is not None and state.get("detector") is not None:
             self.detector.load_state_dict(state["detector"])
+        if self.activation_detector is not None and state.get("activation_detector") is not None:
+            self.activation_detector.load_state_dict(state["activation_detector"])
 
     # ------------------------------------------------------------------ internals
     @contextlib.contextmanager
@@ -384,28 +393,27 @@ class HDITracker:
         return scalars
 
     def _detect(self, step: int, report: DiversityReport) -> list[DiversityEvent]:
-        if self.detector is None:
-            return []
         events: list[DiversityEvent] = []
-        for projection in self.projections:
-            chances = []
-            for layer in report.layers:
-                value = layer.hdi.get(projection)
-                if value is None:
-                    continue
-                chance = layer.chance_hdi[projection]
-                chances.append(chance)
-                events += self.detector.update(
-                    step, layer.name, projection, value, chance=chance, pairwise=layer.overlap.get(projection)
-                )
-            mean = report.mean_hdi(projection)
-            if mean is not None and chances:
-                events += self.detector.update(step, "mean", projection, mean, chance=sum(chances) / len(chances))
-        if self.activations:
+        if self.detector is not None:
+            for projection in self.projections:
+                chances = []
+                for layer in report.layers:
+                    value = layer.hdi.get(projection)
+                    if value is None:
+                        continue
+                    chance = layer.chance_hdi[projection]
+                    chances.append(chance)
+                    events += self.detector.update(
+                        step, layer.name, projection, value, chance=chance, pairwise=layer.overlap.get(projection)
+                    )
+                mean = report.mean_hdi(projection)
+                if mean is not None and chances:
+                    events += self.detector.update(step, "mean", projection, mean, chance=sum(chances) / len(chances))
+        if self.activation_detector is not None and self.activations:
             for layer in report.layers:
                 if layer.effective_heads is None:
                     continue
-                events += self.detector.update(
+                events += self.activation_detector.update(
                     step,
                     layer.name,
                     "activations",

@@ -1,0 +1,100 @@
+"""Early warnings end to end with a real Trainer: saturation stops training, tied heads are
+reported as redundant, and a resumed run warns exactly as an uninterrupted one."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from conftest import read_events
+from hdi_monitor import DiversityEvent, DiversityWarning, HDIMonitor
+from test_callback import loader, tiny_lm, trainer
+
+LAYER0 = "encoder.layers.0.self_attn"
+
+
+def test_flat_hdi_fires_saturation_and_stop_ends_training_early(tmp_path):
+    monitor = HDIMonitor(
+        every_n_steps=2, projections=("key",), activations=False, patience=3, warmup_steps=0,
+        on_saturation="stop", strict=True,
+    )
+    t = trainer(tmp_path, monitor, max_steps=40)
+    with pytest.warns(DiversityWarning, match="saturated"):
+        t.fit(tiny_lm(lr=0.0), loader(n=400))
+    # flat series: the window of patience + 1 = 4 measurements (steps 0, 2, 4, 6) is full at step 6
+    assert t.global_step == 7
+    kinds = {(e.kind, e.layer) for e in monitor.tracker.events}
+    assert ("saturation", LAYER0) in kinds and ("saturation", "mean") in kinds
+    accs = read_events(t.logger.log_dir)
+    texts = {tag for acc in accs for tag in acc.Tags()["tensors"] if tag.startswith("diversity_events")}
+    assert any("saturation" in tag for tag in texts)
+    flags = [ev for acc in accs if "diversity_events/saturation" in acc.Tags()["scalars"]
+             for ev in acc.Scalars("diversity_events/saturation")]
+    assert [f.step for f in flags] == [6] and flags[0].value >= 1
+
+
+def test_warn_mode_does_not_stop(tmp_path):
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, patience=2, warmup_steps=0)
+    t = trainer(tmp_path, monitor, max_steps=12)
+    with pytest.warns(DiversityWarning):
+        t.fit(tiny_lm(lr=0.0), loader())
+    assert t.global_step == 12
+
+
+def _tie_key_heads(model, layer: int, a: int, b: int) -> None:
+    attn = model.encoder.layers[layer].self_attn
+    d, dim = attn.head_dim, attn.embed_dim
+    with torch.no_grad():
+        w = attn.in_proj_weight
+        w[dim + b * d : dim + (b + 1) * d] = w[dim + a * d : dim + (a + 1) * d]
+
+
+def test_tied_key_heads_get_a_redundancy_warning(tmp_path):
+    model = tiny_lm(lr=0.0)
+    _tie_key_heads(model, layer=0, a=1, b=3)
+    events: list[DiversityEvent] = []
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), warmup_steps=0, on_saturation=events.append, strict=True)
+    trainer(tmp_path, monitor, max_steps=3).fit(model, loader())
+    redundant = [e for e in events if e.kind == "redundancy" and e.projection == "key"]
+    assert len(redundant) == 1  # once, not at every measurement
+    event = redundant[0]
+    assert event.layer == LAYER0 and event.step == 0
+    assert [(i, j) for i, j, _ in event.pairs] == [(1, 3)]
+    assert event.pairs[0][2] == pytest.approx(1.0, abs=1e-6)
+    assert LAYER0 in event.message and "1 and 3" in event.message
+
+
+def _warnings_of(fit) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit()
+    return [str(w.message) for w in caught if issubclass(w.category, DiversityWarning)]
+
+
+def test_resumed_run_warns_exactly_like_an_uninterrupted_one(tmp_path):
+    def monitor():
+        return HDIMonitor(every_n_steps=2, projections=("key", "query"), activations=False, patience=2,
+                          warmup_steps=4, redundancy_threshold=0.99, strict=True)
+
+    def model():
+        m = tiny_lm(lr=0.0)
+        _tie_key_heads(m, layer=1, a=0, b=2)
+        return m
+
+    full = monitor()
+    whole = _warnings_of(lambda: trainer(tmp_path / "a", full, max_steps=16).fit(model(), loader()))
+    assert len(whole) >= 3  # redundancy + saturation per layer and the mean
+
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=7)
+    first = monitor()
+    part1 = _warnings_of(lambda: trainer(tmp_path / "b", [first, ckpt], max_steps=7, enable_checkpointing=True)
+                         .fit(model(), loader()))
+    second = monitor()
+    part2 = _warnings_of(lambda: trainer(tmp_path / "b", [second], max_steps=16)
+                         .fit(model(), loader(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")))
+    assert part1 and part2
+    assert part1 + part2 == whole
+    assert [e.to_dict() for e in second.tracker.events] == [e.to_dict() for e in full.tracker.events]
