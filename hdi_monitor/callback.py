@@ -213,8 +213,9 @@ class HDIMonitor(Callback):
         self.tracker.stop_capture()
         if trainer.fit_loop.epoch_loop._should_accumulate():
             return  # more micro-batches of this optimizer step follow
-        if self.tracker.finish() is None:
-            return
+        if not self.tracker.measuring:
+            return  # not a measured step (the same on every rank)
+        self.tracker.finish()
         if self.on_saturation == "stop":
             # collective: every rank measures the same steps, so every rank reaches this call
             stop = trainer.strategy.reduce_boolean_decision(self.tracker.stop_requested, all=False)

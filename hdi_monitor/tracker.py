@@ -162,6 +162,7 @@ class HDITracker:
         self.disabled = False
         self._layers: list[AttentionLayer] | None = None
         self._pending: _Pending | None = None
+        self._scheduled: int | None = None  # step of the measurement under way (set even if it failed)
         self._handles: list[Any] = []
         self._last_step = -1
         self._step = 0  # own step counter for step()/capture()
@@ -196,7 +197,14 @@ class HDITracker:
             return True
         if not self.should_measure(step):
             return False
+        self._scheduled = step
         return self._start(step, batch)
+
+    @property
+    def measuring(self) -> bool:
+        """True between :meth:`begin` of a measured step and :meth:`finish`, even if this rank's
+        measurement failed (so that every rank still takes part in :meth:`finish`)."""
+        return self._scheduled is not None or self._pending is not None
 
     def _start(self, step: int, batch: Any) -> bool:
         self.stop_capture()
@@ -221,12 +229,16 @@ class HDITracker:
     def finish(self) -> Measurement | None:
         """Finish the pending measurement: compute, warn, write to the sinks. None if nothing was pending.
 
-        With activations, this runs a ``sync`` collective on every accumulator, so under
-        ``torch.distributed`` it must be called on every rank.
+        Under ``torch.distributed`` this is a collective: call it on every rank at the same steps.
+        The ranks first agree that all of them hold the measurement (one tiny ``all_reduce``);
+        then, with activations, every accumulator is summed over the ranks.
         """
         self.stop_capture()
         pending, self._pending = self._pending, None
-        if pending is None:
+        self._scheduled = None
+        if not _all_ranks_agree(pending is not None):
+            # some rank failed earlier in this measurement: every rank drops it, so none waits
+            # in a collective that the others never reach
             return None
         with self._guard("computing the measurement"):
             return self._finish(pending)
@@ -274,6 +286,7 @@ class HDITracker:
         """Remove hooks and drop any unfinished measurement; flush the sinks."""
         self.stop_capture()
         self._pending = None
+        self._scheduled = None
         for sink in self.sinks:
             with self._guard("flushing a sink"):
                 sink.flush()
@@ -507,3 +520,18 @@ def validate_settings(
         _check_positive_int("max_tokens", max_tokens)
     if not callable(on_saturation) and on_saturation not in ("warn", "stop"):
         raise ValueError(f"on_saturation must be 'warn', 'stop' or a callable, got {on_saturation!r}")
+
+
+def _all_ranks_agree(flag: bool) -> bool:
+    """Logical AND of ``flag`` over all ranks (a collective); ``flag`` itself when not distributed."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return flag
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
