@@ -1,0 +1,489 @@
+"""The attention-layer abstraction, the user spec and the adapter registry.
+
+An :class:`AttentionLayer` is one attention module found in a model. It knows the head counts,
+how to read each head's weights as ``(heads, D_in, d)`` tensors and where to hook the concatenated
+per-head outputs. Family adapters (one module each in this package) recognise modules by their class
+and attribute structure and build layers; :class:`AttentionSpec` lets a user describe any other
+attention module in a few lines. Nothing outside ``hdi_monitor.adapters`` knows about model families.
+
+Conventions (see the README, "Attention discovery"):
+
+* ``head_weights("query" | "key" | "value")`` gives ``W_h`` in ``R^{D_in x d}`` with head ``h``'s
+  projection ``x @ W_h (+ bias)``; the columns span what the head reads.
+* ``head_weights("output")`` gives ``W_O,h`` in ``R^{D x d}`` with ``c_h = W_O,h o_h`` the head's
+  contribution to the layer output (columns ``[h*d:(h+1)*d]`` of the out-projection weight).
+* Key and value have ``num_kv_heads`` heads (fewer than ``num_heads`` under grouped-query attention);
+  query head ``h`` uses key/value head ``h // (num_heads // num_kv_heads)``.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from einops import rearrange
+from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
+
+__all__ = [
+    "PROJECTIONS",
+    "Adapter",
+    "AdapterMismatch",
+    "AttentionLayer",
+    "AttentionSpec",
+    "HookHandle",
+    "OutputHook",
+    "WeightSource",
+    "check_projection",
+    "full_weight",
+    "linear_sources",
+    "register_adapter",
+    "registered_adapters",
+    "split_in_features",
+    "split_out_features",
+]
+
+PROJECTIONS: tuple[str, ...] = ("query", "key", "value", "output")
+
+OutputHook = Callable[[Tensor, "Tensor | None"], None]
+"""``fn(o, keep_mask)``: ``o`` is ``(..., num_heads * head_dim)``, ``keep_mask`` None or bool."""
+
+WeightSource = Callable[[], Tensor]
+"""Returns one projection's weight in ``nn.Linear`` layout, gathered (not a DTensor shard).
+
+For query/key/value: ``(heads * d, D_in)``; for output: ``(D, num_heads * d)``.
+"""
+
+
+class AdapterMismatch(ValueError):
+    """A module looks like an attention layer but its shapes do not fit the family's layout."""
+
+
+def check_projection(projection: str) -> str:
+    """Return ``projection`` if it is one of :data:`PROJECTIONS`, else raise ValueError."""
+    if projection not in PROJECTIONS:
+        raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
+    return projection
+
+
+def full_weight(t: Tensor) -> Tensor:
+    """Detach a parameter and gather it if it is a DTensor (FSDP2): ``.full_tensor()``.
+
+    Gathering is a collective: under FSDP2 every rank must read the same weights.
+    """
+    t = t.detach()
+    gather = getattr(t, "full_tensor", None)
+    if callable(gather):
+        t = gather()
+    return t
+
+
+def split_out_features(weight: Tensor, heads: int) -> Tensor:
+    """Split an ``nn.Linear``-layout weight ``(heads * d, D_in)`` into ``(heads, D_in, d)``.
+
+    Row block ``h`` of the weight is head ``h``'s projection, so ``x @ W_h`` is that head's slice of
+    the layer's output.
+    """
+    return rearrange(weight, "(h d) m -> h m d", h=heads)
+
+
+def split_in_features(weight: Tensor, heads: int) -> Tensor:
+    """Split an out-projection weight ``(D, heads * d)`` into ``(heads, D, d)`` (column blocks)."""
+    return rearrange(weight, "m (h d) -> h m d", h=heads)
+
+
+def linear_sources(query: nn.Module, key: nn.Module, value: nn.Module, output: nn.Module) -> dict[str, WeightSource]:
+    """Weight sources for four ``nn.Linear``-layout modules; each reads ``.weight`` when called."""
+    modules = {"query": query, "key": key, "value": value, "output": output}
+    return {p: (lambda m=m: m.weight) for p, m in modules.items()}
+
+
+def _check_divides(layer: str, projection: str, size: int, heads: int, head_dim: int, what: str) -> None:
+    if size != heads * head_dim:
+        raise AdapterMismatch(
+            f"{layer}: {projection} weight has {size} {what}, expected {heads} heads x head_dim {head_dim} "
+            f"= {heads * head_dim}"
+        )
+
+
+class HookHandle:
+    """Removable handle for one or more hooks; ``remove()`` is idempotent.
+
+    Also a context manager: ``with layer.attach_output_hook(fn): model(x)``.
+    """
+
+    def __init__(self, *handles: Any, on_remove: Callable[[], None] | None = None) -> None:
+        self._handles = list(handles)
+        self._on_remove = on_remove
+        self._removed = False
+
+    def remove(self) -> None:
+        if self._removed:
+            return
+        self._removed = True
+        for h in self._handles:
+            h.remove()
+        if self._on_remove is not None:
+            self._on_remove()
+
+    def __enter__(self) -> HookHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+class AttentionLayer:
+    """One attention module found in a model.
+
+    Attributes:
+        name: qualified module name (as in ``model.named_modules()``).
+        module: the attention module.
+        family: adapter family, e.g. ``"torch_mha"``, ``"bert"``, ``"llama"``, ``"spec"``.
+        num_heads: query heads ``H``.
+        num_kv_heads: key/value heads ``H_kv`` (``< H`` under grouped-query attention).
+        head_dim: per-head width ``d``.
+        model_dim: model width ``D`` (the out-projection's output size).
+        mask_key: batch-dict key holding the ``(B, T)`` token mask of this layer's query tokens, or
+            None where there is none (vision models, plain torch modules).
+
+    Family adapters build layers from :data:`WeightSource` callables (one per projection) and the
+    module whose input is the concatenated head output; subclasses may override
+    :meth:`attach_output_hook` (``nn.MultiheadAttention`` does).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        *,
+        family: str,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        model_dim: int,
+        weights: Mapping[str, WeightSource],
+        output_module: nn.Module | None = None,
+        mask_key: str | None = None,
+    ) -> None:
+        missing = [p for p in PROJECTIONS if p not in weights]
+        if missing:
+            raise ValueError(f"{name}: no weight source for projection(s) {missing}")
+        for label, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: {label} must be a positive integer, got {value!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"{name}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.name = name
+        self.module = module
+        self.family = family
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.model_dim = model_dim
+        self.mask_key = mask_key
+        self._weights = dict(weights)
+        self._output_module = output_module
+
+    def __repr__(self) -> str:
+        kv = f"/{self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        return (
+            f"AttentionLayer({self.name!r}, family={self.family!r}, heads={self.num_heads}{kv}, "
+            f"head_dim={self.head_dim}, model_dim={self.model_dim})"
+        )
+
+    def heads_for(self, projection: str) -> int:
+        """Number of heads of ``projection``: ``num_kv_heads`` for key/value, else ``num_heads``."""
+        check_projection(projection)
+        return self.num_kv_heads if projection in ("key", "value") else self.num_heads
+
+    def head_weights(self, projection: str) -> Tensor:
+        """Per-head weights of one projection, ``(heads, D_in, d)``.
+
+        Detached, in the parameter's own dtype and device (no copy to CPU); DTensor parameters are
+        gathered. For query/key/value ``x @ W_h (+ bias)`` is head ``h``'s projection of
+        ``x in R^{D_in}``; for output ``W_O,h in R^{D x d}`` maps head ``h``'s output to its
+        contribution to the layer output.
+        """
+        heads = self.heads_for(projection)
+        w = full_weight(self._weights[projection]())
+        if projection == "output":
+            _check_divides(self.name, projection, w.shape[1], heads, self.head_dim, "input features")
+            return split_in_features(w, heads)
+        _check_divides(self.name, projection, w.shape[0], heads, self.head_dim, "output features")
+        return split_out_features(w, heads)
+
+    def attach_output_hook(self, fn: OutputHook) -> HookHandle:
+        """Call ``fn(o, keep_mask)`` on every forward of this layer while attached.
+
+        ``o`` is ``(..., num_heads * head_dim)``, the concatenated per-head outputs before the output
+        projection, head-major, detached. ``keep_mask`` is None here (token masks come from the batch,
+        see :attr:`mask_key`). Returns a handle with ``.remove()``.
+        """
+        if self._output_module is None:
+            raise ValueError(
+                f"{self.name}: no output module to hook; give AttentionSpec(output_module=...) the name of "
+                "the submodule whose input is the concatenated head output"
+            )
+
+        def pre_hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            o = args[0] if args else next(iter(kwargs.values()))
+            fn(o.detach(), None)
+
+        return HookHandle(self._output_module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+
+    def parameters_not_ready(self) -> list[str]:
+        """Names of this module's parameters that are on the meta device or uninitialised (lazy)."""
+        return _parameters_not_ready(self.module)
+
+
+def _parameters_not_ready(module: nn.Module) -> list[str]:
+    out = []
+    for pname, p in module.named_parameters():
+        if is_lazy(p) or p.is_meta:
+            out.append(pname)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- spec
+
+
+def _resolve(module: nn.Module, path: str) -> Any:
+    obj: Any = module
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            raise AttributeError(part)
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Describe the attention modules of a model that no built-in adapter knows.
+
+    Example (a block with ``wq, wk, wv, wo`` ``nn.Linear`` layers)::
+
+        spec = AttentionSpec(
+            modules=r"blocks\\.\\d+\\.attn",      # regex, full match on the qualified module name
+            query="wq", key="wk", value="wv", output="wo",
+            num_heads=8, num_kv_heads=2,         # num_kv_heads defaults to num_heads
+        )
+        report = head_diversity(model, spec=spec)
+
+    Args:
+        modules: which modules are attention layers: a regex matched against the *whole* qualified
+            name (``re.fullmatch``), or a predicate ``(name, module) -> bool``. Descendants of a
+            matched module are not searched.
+        query, key, value, output: each a dotted attribute path relative to the attention module,
+            naming a module with a ``.weight`` (e.g. ``"wq"``) or a tensor (``"wq.weight"``), or a
+            callable ``module -> Tensor``. Weights are in ``nn.Linear`` layout: ``(heads * d, D_in)``
+            for query/key/value and ``(D, num_heads * d)`` for output. For a packed projection use
+            a callable, e.g. ``key=lambda m: m.qkv.weight[512:1024]``.
+        num_heads: query heads.
+        num_kv_heads: key/value heads; defaults to ``num_heads``.
+        head_dim: per-head width; default: the query weight's rows / ``num_heads``.
+        output_module: dotted path of the submodule whose input is the concatenated head output
+            (for activation statistics). Default: ``output`` when that names a module.
+        mask_key: batch-dict key of the ``(B, T)`` token mask for this layer's query tokens.
+        family: family label written into the report.
+    """
+
+    modules: str | Callable[[str, nn.Module], bool]
+    query: str | Callable[[nn.Module], Tensor]
+    key: str | Callable[[nn.Module], Tensor]
+    value: str | Callable[[nn.Module], Tensor]
+    output: str | Callable[[nn.Module], Tensor]
+    num_heads: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    output_module: str | None = None
+    mask_key: str | None = None
+    family: str = "spec"
+    _pattern: re.Pattern | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.modules, str):
+            try:
+                object.__setattr__(self, "_pattern", re.compile(self.modules))
+            except re.error as exc:
+                raise ValueError(f"AttentionSpec.modules is not a valid regex: {self.modules!r} ({exc})") from exc
+        elif not callable(self.modules):
+            raise TypeError(
+                "AttentionSpec.modules must be a regex string or a predicate (name, module) -> bool, "
+                f"got {type(self.modules).__name__}"
+            )
+        for proj in PROJECTIONS:
+            ref = getattr(self, proj)
+            if not (isinstance(ref, str) or callable(ref)):
+                raise TypeError(
+                    f"AttentionSpec.{proj} must be an attribute path (str) or a callable module -> Tensor, "
+                    f"got {type(ref).__name__}"
+                )
+        for label in ("num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, label)
+            if value is None and label != "num_heads":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"AttentionSpec.{label} must be a positive integer, got {value!r}")
+        kv = self.num_kv_heads or self.num_heads
+        if self.num_heads % kv:
+            raise ValueError(
+                f"AttentionSpec: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({kv})"
+            )
+
+    def matches(self, name: str, module: nn.Module) -> bool:
+        """Whether the module called ``name`` is an attention layer under this spec."""
+        if self._pattern is not None:
+            return self._pattern.fullmatch(name) is not None
+        return bool(self.modules(name, module))  # type: ignore[operator]
+
+    def _source(self, name: str, module: nn.Module, projection: str) -> WeightSource:
+        ref = getattr(self, projection)
+        if callable(ref) and not isinstance(ref, str):
+            return lambda: _as_tensor(ref(module), name, projection)
+        try:
+            obj = _resolve(module, ref)
+        except AttributeError as exc:
+            raise ValueError(
+                f"{name}: AttentionSpec.{projection}={ref!r} does not resolve: {type(module).__name__} has no "
+                f"attribute {exc.args[0]!r}"
+            ) from None
+        if isinstance(obj, nn.Module):
+            return lambda: _as_tensor(_resolve(module, ref).weight, name, projection)
+        return lambda: _as_tensor(_resolve(module, ref), name, projection)
+
+    def build(self, name: str, module: nn.Module) -> AttentionLayer:
+        """Build the :class:`AttentionLayer` for one matched module, validating all shapes."""
+        sources = {p: self._source(name, module, p) for p in PROJECTIONS}
+        shapes = {p: tuple(sources[p]().shape) for p in PROJECTIONS}  # DTensor shapes are global
+        for p, shape in shapes.items():
+            if len(shape) != 2:
+                raise ValueError(f"{name}: {p} weight must be 2-D (nn.Linear layout), got shape {shape}")
+        heads = self.num_heads
+        kv = self.num_kv_heads or heads
+        q_rows = shapes["query"][0]
+        head_dim = self.head_dim
+        if head_dim is None:
+            if q_rows % heads:
+                raise ValueError(
+                    f"{name}: query weight has {q_rows} output features, which does not divide into "
+                    f"num_heads={heads} heads; check num_heads or pass head_dim"
+                )
+            head_dim = q_rows // heads
+        checks = (
+            ("query", shapes["query"][0], heads, "output features (rows)"),
+            ("key", shapes["key"][0], kv, "output features (rows)"),
+            ("value", shapes["value"][0], kv, "output features (rows)"),
+            ("output", shapes["output"][1], heads, "input features (columns)"),
+        )
+        for proj, size, n, what in checks:
+            if size != n * head_dim:
+                raise ValueError(
+                    f"{name}: {proj} weight has {size} {what}, which does not split into {n} heads of "
+                    f"head_dim {head_dim} (= {n * head_dim}); weights must be in nn.Linear (out, in) layout"
+                )
+        out_path = self.output_module
+        if out_path is None and isinstance(self.output, str):
+            target = _resolve(module, self.output)
+            out_mod = target if isinstance(target, nn.Module) else None
+        elif out_path is not None:
+            try:
+                out_mod = _resolve(module, out_path)
+            except AttributeError as exc:
+                raise ValueError(
+                    f"{name}: AttentionSpec.output_module={out_path!r} does not resolve: no attribute {exc.args[0]!r}"
+                ) from None
+            if not isinstance(out_mod, nn.Module):
+                raise ValueError(f"{name}: AttentionSpec.output_module={out_path!r} is not an nn.Module")
+        else:
+            out_mod = None
+        return AttentionLayer(
+            name,
+            module,
+            family=self.family,
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=head_dim,
+            model_dim=shapes["output"][0],
+            weights=sources,
+            output_module=out_mod,
+            mask_key=self.mask_key,
+        )
+
+
+def _as_tensor(obj: Any, name: str, projection: str) -> Tensor:
+    if not isinstance(obj, Tensor):
+        raise TypeError(f"{name}: AttentionSpec.{projection} gave {type(obj).__name__}, expected a Tensor")
+    return obj
+
+
+# ------------------------------------------------------------------------------------------ registry
+
+
+class _Build(Protocol):
+    def __call__(self, name: str, module: nn.Module) -> AttentionLayer: ...
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A model-family adapter.
+
+    Attributes:
+        family: family label, e.g. ``"llama"``.
+        classes: human-readable description of the classes it matches (for errors and docs).
+        match: ``(name, module) -> bool`` from class/attribute structure only (no weight access, so it
+            also works on meta-device or lazy modules).
+        build: ``(name, module) -> AttentionLayer``; may raise :class:`AdapterMismatch`.
+    """
+
+    family: str
+    classes: str
+    match: Callable[[str, nn.Module], bool]
+    build: _Build
+
+
+_REGISTRY: list[Adapter] = []
+_REGISTRY_LOCK = threading.Lock()
+
+
+def register_adapter(adapter: Adapter, *, first: bool = True) -> None:
+    """Add a family adapter. ``first=True`` (default) tries it before the built-in ones.
+
+    An adapter with the same family label replaces the registered one.
+    """
+    if not isinstance(adapter, Adapter):
+        raise TypeError(f"register_adapter expects an Adapter, got {type(adapter).__name__}")
+    with _REGISTRY_LOCK:
+        _REGISTRY[:] = [a for a in _REGISTRY if a.family != adapter.family]
+        if first:
+            _REGISTRY.insert(0, adapter)
+        else:
+            _REGISTRY.append(adapter)
+
+
+def registered_adapters() -> tuple[Adapter, ...]:
+    """The registered adapters, in the order they are tried."""
+    with _REGISTRY_LOCK:
+        return tuple(_REGISTRY)
+
+
+def int_attr(obj: Any, *names: str) -> int | None:
+    """First of ``names`` that ``obj`` (or its ``config``) has as a positive int, else None."""
+    for holder in (obj, getattr(obj, "config", None)):
+        if holder is None:
+            continue
+        for n in names:
+            v = getattr(holder, n, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
+
+
+def is_linear(m: Any) -> bool:
+    """An ``nn.Linear`` (lazy ones included)."""
+    return isinstance(m, nn.Linear)

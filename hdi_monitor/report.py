@@ -1,0 +1,363 @@
+"""One-shot head-diversity report of a model: :func:`head_diversity`.
+
+``head_diversity(model)`` finds the attention layers, reads each projection's per-head weights,
+computes the overlap matrices and HDIs batched over all layers of one shape, and returns a
+:class:`DiversityReport` (a table when printed, JSON-ready with :meth:`DiversityReport.to_dict`).
+With ``inputs`` it also runs the model on some batches and adds head-output covariance statistics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hdi_monitor.adapters import AttentionLayer, AttentionSpec, find_attention_layers
+from hdi_monitor.adapters.base import PROJECTIONS
+from hdi_monitor.diversity import (
+    WEIGHTINGS,
+    chance_hdi,
+    head_diversity_index,
+    invalid_heads,
+    max_hdi,
+    subspace_overlap,
+)
+
+__all__ = ["DiversityReport", "LayerDiversity", "compute_report", "head_diversity"]
+
+_ACTIVATION_FIELDS = ("effective_heads", "mean_correlation", "variance_ratio", "num_tokens")
+
+
+@dataclass
+class LayerDiversity:
+    """Diversity of one attention layer.
+
+    Per-projection dicts are keyed by the projections the report was computed for. ``hdi`` and
+    ``max_hdi`` are None where fewer than two valid heads exist; ``chance_hdi`` uses the
+    projection's own input width (``kdim`` for keys of a cross-attention with ``kdim != D``).
+    ``overlap`` holds CPU float32 ``(heads, heads)`` matrices with NaN rows/columns for invalid
+    (all-zero or non-finite) heads. The activation fields are filled only when the report was made
+    with ``inputs``.
+    """
+
+    name: str
+    family: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    model_dim: int
+    hdi: dict[str, float | None] = field(default_factory=dict)
+    overlap: dict[str, Tensor] = field(default_factory=dict)
+    chance_hdi: dict[str, float] = field(default_factory=dict)
+    max_hdi: dict[str, float | None] = field(default_factory=dict)
+    invalid_heads: dict[str, list[int]] = field(default_factory=dict)
+    covariance: Tensor | None = None
+    correlation: Tensor | None = None
+    effective_heads: float | None = None
+    mean_correlation: float | None = None
+    variance_ratio: float | None = None
+    num_tokens: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (NaN becomes None)."""
+        out: dict[str, Any] = {
+            "name": self.name,
+            "family": self.family,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "model_dim": self.model_dim,
+            "hdi": dict(self.hdi),
+            "chance_hdi": dict(self.chance_hdi),
+            "max_hdi": dict(self.max_hdi),
+            "invalid_heads": {p: list(v) for p, v in self.invalid_heads.items()},
+            "overlap": {p: _nested(t) for p, t in self.overlap.items()},
+        }
+        if self.covariance is not None:
+            out["covariance"] = _nested(self.covariance)
+        if self.correlation is not None:
+            out["correlation"] = _nested(self.correlation)
+        for name in _ACTIVATION_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = _finite_or_none(value)
+        return out
+
+
+@dataclass
+class DiversityReport:
+    """Per-layer head diversity of a model (see :func:`head_diversity`)."""
+
+    layers: list[LayerDiversity]
+    projections: tuple[str, ...]
+    weighting: str
+
+    def mean_hdi(self, projection: str = "key") -> float | None:
+        """Mean HDI of ``projection`` over the layers that have one (None if none has)."""
+        if projection not in self.projections:
+            raise ValueError(f"projection {projection!r} is not in this report; it has {self.projections}")
+        values = [lay.hdi[projection] for lay in self.layers if lay.hdi.get(projection) is not None]
+        return float(sum(values) / len(values)) if values else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict: weighting, projections, layers (see :meth:`LayerDiversity.to_dict`), mean_hdi."""
+        return {
+            "weighting": self.weighting,
+            "projections": list(self.projections),
+            "layers": [lay.to_dict() for lay in self.layers],
+            "mean_hdi": {p: self.mean_hdi(p) for p in self.projections},
+        }
+
+    def format_table(self) -> str:
+        """A readable fixed-width table: one row per layer, HDI / chance / max per projection."""
+        has_act = any(lay.effective_heads is not None for lay in self.layers)
+        header = ["layer", "family", "heads", "d", "D"]
+        for p in self.projections:
+            header += [f"{p} HDI", "chance", "max"]
+        if has_act:
+            header += ["H_eff", "mean R"]
+        rows = []
+        for lay in self.layers:
+            heads = f"{lay.num_heads}" if lay.num_kv_heads == lay.num_heads else f"{lay.num_heads}/{lay.num_kv_heads}"
+            row = [lay.name or "<root>", lay.family, heads, str(lay.head_dim), str(lay.model_dim)]
+            for p in self.projections:
+                bad = lay.invalid_heads.get(p) or []
+                mark = "*" if bad else ""
+                row += [_fmt(lay.hdi.get(p)) + mark, _fmt(lay.chance_hdi.get(p)), _fmt(lay.max_hdi.get(p))]
+            if has_act:
+                row += [_fmt(lay.effective_heads, 2), _fmt(lay.mean_correlation)]
+            rows.append(row)
+        footer = ["mean", "", "", "", ""]
+        for p in self.projections:
+            footer += [_fmt(self.mean_hdi(p)), "", ""]
+        if has_act:
+            footer += ["", ""]
+        widths = [max(len(r[i]) for r in [header, *rows, footer]) for i in range(len(header))]
+
+        def line(cells: list[str]) -> str:
+            padded = (c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+            return "  ".join(padded).rstrip()
+
+        rule = "-" * len(line(header))
+        lines = [f"head diversity ({self.weighting} overlap)", line(header), rule, *map(line, rows), rule, line(footer)]
+        if any(lay.invalid_heads.get(p) for lay in self.layers for p in self.projections):
+            lines.append("* layer has dead (all-zero) or non-finite heads, left out of its HDI")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format_table()
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def _finite_or_none(value: float) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _nested(t: Tensor) -> list:
+    return [[_finite_or_none(x) for x in row] for row in t.double().tolist()]
+
+
+def _check_projections(projections: Sequence[str] | str) -> tuple[str, ...]:
+    if isinstance(projections, str):
+        projections = (projections,)
+    projections = tuple(projections)
+    if not projections:
+        raise ValueError(f"projections must name at least one of {PROJECTIONS}")
+    bad = [p for p in projections if p not in PROJECTIONS]
+    if bad:
+        raise ValueError(f"unknown projection(s) {bad}: choose from {PROJECTIONS}")
+    if len(set(projections)) != len(projections):
+        raise ValueError(f"projections has duplicates: {projections}")
+    return projections
+
+
+def _check_weighting(weighting: str) -> str:
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+    return weighting
+
+
+def compute_report(
+    layers: list[AttentionLayer],
+    projections: Sequence[str] = ("key",),
+    weighting: str = "spectral",
+) -> DiversityReport:
+    """Weight-based diversity of already-found attention layers.
+
+    Layers are grouped per projection by ``(heads, D_in, d, dtype, device)``; each group's head
+    weights are stacked and :func:`~hdi_monitor.diversity.subspace_overlap` and
+    :func:`~hdi_monitor.diversity.head_diversity_index` run once on the whole group, on the weights'
+    device. Results are copied to the CPU once per device at the end.
+    """
+    projections = _check_projections(projections)
+    _check_weighting(weighting)
+    if not all(isinstance(lay, AttentionLayer) for lay in layers):
+        raise TypeError("layers must be a list of AttentionLayer (see find_attention_layers)")
+    results = [
+        LayerDiversity(
+            name=lay.name,
+            family=lay.family,
+            num_heads=lay.num_heads,
+            num_kv_heads=lay.num_kv_heads,
+            head_dim=lay.head_dim,
+            model_dim=lay.model_dim,
+        )
+        for lay in layers
+    ]
+    # (projection, layer indices, overlap (L, h, h), hdi (L,), invalid (L, h)) on the weights' device
+    pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]] = []
+    with torch.no_grad():
+        for proj in projections:
+            groups: dict[tuple, list[tuple[int, Tensor]]] = {}
+            for i, lay in enumerate(layers):
+                w = lay.head_weights(proj)
+                if w.is_meta:
+                    raise ValueError(
+                        f"{lay.name}: {proj} weights are on the meta device; materialise the model before "
+                        "measuring it (find_attention_layers skips such layers with a warning)"
+                    )
+                key = (tuple(w.shape), w.dtype, w.device)
+                groups.setdefault(key, []).append((i, w))
+                heads, d_in, d = w.shape
+                results[i].chance_hdi[proj] = chance_hdi(d_in, d, weighting)  # type: ignore[arg-type]
+                results[i].max_hdi[proj] = max_hdi(heads, d, d_in)
+            for members in groups.values():
+                idx = [i for i, _ in members]
+                stacked = torch.stack([w for _, w in members])  # (L, h, D_in, d)
+                overlap = subspace_overlap(stacked, weighting)  # type: ignore[arg-type]
+                pending.append((proj, idx, overlap, head_diversity_index(overlap), invalid_heads(stacked)))
+    _collect(pending, results)
+    return DiversityReport(layers=results, projections=projections, weighting=weighting)
+
+
+def _collect(pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]], results: list[LayerDiversity]) -> None:
+    """Copy all group results to the CPU with one transfer per device and fill ``results``."""
+    by_device: dict[torch.device, list[int]] = {}
+    for n, (_, _, overlap, _, _) in enumerate(pending):
+        by_device.setdefault(overlap.device, []).append(n)
+    host: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+    for members in by_device.values():
+        parts = []
+        for n in members:
+            _, _, overlap, hdi, bad = pending[n]
+            parts += [overlap.reshape(-1).double(), hdi.reshape(-1).double(), bad.reshape(-1).double()]
+        flat = torch.cat(parts).cpu()  # the one host sync for this device
+        offset = 0
+        for n in members:
+            _, _, overlap, hdi, bad = pending[n]
+            chunks = []
+            for t in (overlap, hdi, bad):
+                chunks.append(flat[offset : offset + t.numel()].reshape(t.shape))
+                offset += t.numel()
+            host[n] = (chunks[0].float(), chunks[1], chunks[2].bool())
+    for n, (proj, idx, _, _, _) in enumerate(pending):
+        overlap, hdi, bad = host[n]
+        for j, i in enumerate(idx):
+            value = float(hdi[j])
+            results[i].hdi[proj] = value if math.isfinite(value) else None
+            results[i].overlap[proj] = overlap[j].clone()
+            results[i].invalid_heads[proj] = torch.nonzero(bad[j]).flatten().tolist()
+
+
+# ------------------------------------------------------------------------------------- activations
+
+
+def _add_activation_stats(
+    model: nn.Module,
+    layers: list[AttentionLayer],
+    results: list[LayerDiversity],
+    inputs: Any,
+    max_tokens: int | None,
+) -> None:
+    """Run ``inputs`` through ``model`` with output hooks feeding one accumulator per layer."""
+    from hdi_monitor.capture import attach_output_hooks, call_model, iter_batches
+    from hdi_monitor.covariance import HeadCovarianceAccumulator
+
+    accs = [
+        HeadCovarianceAccumulator(
+            lay.num_heads, lay.head_dim, max_tokens=max_tokens, device=lay.head_weights("output").device
+        )
+        for lay in layers
+    ]
+    modes = {m: m.training for m in model.modules()}
+    seen = 0
+    try:
+        model.eval()
+        for batch in iter_batches(inputs):
+            handles = attach_output_hooks(layers, accs, batch)
+            try:
+                call_model(model, batch)
+            finally:
+                for h in handles:
+                    h.remove()
+            seen += 1
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    if seen == 0:
+        raise ValueError("inputs held no batch")
+    for lay, acc, res in zip(layers, accs, results):
+        try:
+            stats = acc.compute(lay.head_weights("output"))
+        except ValueError as exc:
+            raise ValueError(f"{lay.name}: no head-output statistics: {exc}") from exc
+        res.covariance = stats.covariance.detach().float().cpu()
+        res.correlation = stats.correlation.detach().float().cpu()
+        res.effective_heads = float(stats.effective_heads)
+        res.mean_correlation = float(stats.mean_correlation)
+        res.variance_ratio = float(stats.variance_ratio)
+        res.num_tokens = int(stats.num_tokens)
+
+
+def head_diversity(
+    model: nn.Module,
+    *,
+    projections: Sequence[str] = ("key",),
+    weighting: str = "spectral",
+    spec: AttentionSpec | None = None,
+    layers: str | Sequence[str] | None = None,
+    inputs: Any = None,
+    max_tokens: int | None = None,
+) -> DiversityReport:
+    """Head diversity of every attention layer of ``model``.
+
+    Args:
+        model: the model (any ``nn.Module`` with attention layers of a supported family, or ``spec``).
+        projections: which of ``"query"``, ``"key"``, ``"value"``, ``"output"`` to measure.
+        weighting: ``"spectral"`` (default) or ``"uniform"`` subspace overlap.
+        spec: :class:`~hdi_monitor.adapters.AttentionSpec` for models no built-in family covers.
+        layers: a regex (``re.search`` on qualified names) or a list of exact layer names.
+        inputs: optional batches for head-output covariance statistics: one batch (a dict is called
+            as ``model(**batch)``, a tuple as ``model(*batch)``, a tensor as ``model(batch)``) or an
+            iterable of batches (a list of dicts or tensors, a DataLoader, ...). Tokens
+            are restricted to real ones where the hook gives a mask (``nn.MultiheadAttention`` with a
+            ``key_padding_mask``) and, for dict batches, by ``batch[layer.mask_key]`` (e.g.
+            ``attention_mask``). The model runs in eval mode (restored afterwards) under no_grad;
+            inputs must already be on the model's device.
+        max_tokens: cap on the tokens each layer's accumulator takes.
+
+    Returns:
+        A :class:`DiversityReport`; ``print(report)`` shows a table.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    projections = _check_projections(projections)
+    _check_weighting(weighting)
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
+    with torch.no_grad():
+        found = find_attention_layers(model, spec=spec, layers=layers)
+        report = compute_report(found, projections=projections, weighting=weighting)
+        if inputs is not None:
+            _add_activation_stats(model, found, report.layers, inputs, max_tokens)
+    return report
