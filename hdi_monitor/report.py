@@ -311,8 +311,8 @@ def _add_activation_stats(
             stats = acc.compute(lay.head_weights("output"))
         except ValueError as exc:
             raise ValueError(f"{lay.name}: no head-output statistics: {exc}") from exc
-        res.covariance = stats.covariance.detach().float().cpu()
-        res.correlation = stats.correlation.detach().float().cpu()
+        res.covariance = stats.covariance.detach().cpu()
+        res.correlation = stats.correlation.detach().cpu()
         res.effective_heads = float(stats.effective_heads)
         res.mean_correlation = float(stats.mean_correlation)
         res.variance_ratio = float(stats.variance_ratio)
