@@ -54,7 +54,6 @@ def custom_scalars_layout(
                 f"^hdi/{re.escape(projection)}/({layers})$",
                 f"^hdi/{re.escape(projection)}/mean$",
                 f"^hdi_chance/{re.escape(projection)}$",
-                f"^hdi_max/{re.escape(projection)}$",
             ],
         ]
     layout: dict[str, dict[str, list[Any]]] = {"HDI per layer": hdi}
