@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "HDIMonitor": "hdi_monitor.callback",
     "HDITracker": "hdi_monitor.tracker",
+    "HDITrainerCallback": "hdi_monitor.integrations.hf_trainer",
     "Measurement": "hdi_monitor.tracker",
     "MonitoringWarning": "hdi_monitor.tracker",
     "head_diversity": "hdi_monitor.report",
@@ -80,6 +81,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hdi_monitor.adapters import AttentionLayer, AttentionSpec, find_attention_layers
     from hdi_monitor.allocation import AllocationLaw, fit_allocation_law, recommend_allocation
     from hdi_monitor.callback import HDIMonitor
+    from hdi_monitor.integrations.hf_trainer import HDITrainerCallback
     from hdi_monitor.covariance import (
         HeadCovarianceAccumulator,
         HeadCovarianceResult,

@@ -5,8 +5,9 @@ Step axis: a measurement of optimizer step ``s`` is logged at ``s`` =
 step that ``self.log`` gives that batch's training loss. The weights are measured in
 ``on_train_batch_start`` (the weights that produce that loss), head outputs are captured during
 that batch's forward pass (hooks come off in ``on_before_backward``, so a forward recomputed by
-gradient checkpointing is not counted twice), and results are written in ``on_train_batch_end`` of
-the micro-batch on which the optimizer steps.
+gradient checkpointing is not counted twice), and results are computed and written in
+``on_before_optimizer_step``, while the weights are still those of the forward pass (or in
+``on_train_batch_end`` when no optimizer step happened).
 """
 
 from __future__ import annotations
@@ -20,16 +21,11 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from hdi_monitor.adapters import PROJECTIONS, AttentionSpec
-from hdi_monitor.saturation import DiversityEvent, SaturationDetector
+from hdi_monitor.saturation import DiversityEvent
 from hdi_monitor.sinks import LoggerSink, Sink, TensorBoardSink
-from hdi_monitor.tracker import HDITracker, Measurement, validate_settings
+from hdi_monitor.tracker import HDITracker, Measurement, make_detectors, validate_settings
 
-__all__ = ["HDIMonitor", "ACTIVATION_MIN_DELTA", "ACTIVATION_COLLAPSE_DELTA"]
-
-#: Effective-heads series: a rise of less than this many heads is no improvement.
-ACTIVATION_MIN_DELTA = 0.05
-#: Effective-heads series: losing more than this many effective heads from the best is a collapse.
-ACTIVATION_COLLAPSE_DELTA = 1.0
+__all__ = ["HDIMonitor"]
 
 
 class HDIMonitor(Callback):
@@ -52,7 +48,7 @@ class HDIMonitor(Callback):
         max_tokens: at most this many tokens per layer per measured batch (random subsample).
         early_warning: run the saturation/collapse/redundancy detectors (see the README,
             "Early warnings"). Effective heads are watched with thresholds in heads
-            (``ACTIVATION_MIN_DELTA``, ``ACTIVATION_COLLAPSE_DELTA``).
+            (``hdi_monitor.tracker.ACTIVATION_MIN_DELTA``, ``ACTIVATION_COLLAPSE_DELTA``).
         patience: measurements without improvement before saturation fires (10 measurements =
             1,000 steps at ``every_n_steps=100``).
         min_delta: smallest change in HDI that counts as improvement.
@@ -96,26 +92,16 @@ class HDIMonitor(Callback):
             max_tokens=max_tokens,
             on_saturation=on_saturation,
         )
-        self.detector: SaturationDetector | None = None
-        self.activation_detector: SaturationDetector | None = None
-        if early_warning:
-            self.detector = SaturationDetector(
-                patience=patience,
-                min_delta=min_delta,
-                warmup_steps=warmup_steps,
-                mode=mode,
-                collapse_delta=collapse_delta,
-                redundancy_threshold=redundancy_threshold,
-            )
-            if activations:  # effective heads are counted in heads: thresholds in heads
-                self.activation_detector = SaturationDetector(
-                    patience=patience,
-                    min_delta=ACTIVATION_MIN_DELTA,
-                    warmup_steps=warmup_steps,
-                    mode=mode,
-                    collapse_delta=ACTIVATION_COLLAPSE_DELTA,
-                    redundancy_threshold=redundancy_threshold,
-                )
+        self.detector, self.activation_detector = make_detectors(
+            early_warning=early_warning,
+            activations=activations,
+            patience=patience,
+            min_delta=min_delta,
+            warmup_steps=warmup_steps,
+            mode=mode,
+            collapse_delta=collapse_delta,
+            redundancy_threshold=redundancy_threshold,
+        )
         if state_key is not None and not isinstance(state_key, str):
             raise TypeError(f"state_key must be a string, got {type(state_key).__name__}")
         self.every_n_steps = every_n_steps
@@ -205,15 +191,21 @@ class HDIMonitor(Callback):
         if self.tracker is not None:
             self.tracker.stop_capture()
 
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        # backward is done and the weights are still those of the forward pass: finish here
+        self._finish(trainer)
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self.tracker is None:
             return
         self.tracker.stop_capture()
-        if trainer.fit_loop.epoch_loop._should_accumulate():
-            return  # more micro-batches of this optimizer step follow
-        if not self.tracker.measuring:
+        if not trainer.fit_loop.epoch_loop._should_accumulate():
+            self._finish(trainer)  # no optimizer step happened (e.g. training_step returned None)
+
+    def _finish(self, trainer: pl.Trainer) -> None:
+        if self.tracker is None or not self.tracker.measuring:
             return  # not a measured step (the same on every rank)
         self.tracker.finish()
         if self.on_saturation == "stop":

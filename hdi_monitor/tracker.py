@@ -13,11 +13,17 @@ Two ways to drive it:
       for batch in loader:
           with tracker.capture(batch):      # hooks on only if this step is measured
               loss = model(**batch).loss
-          loss.backward(); optimizer.step(); optimizer.zero_grad()
-          tracker.step()                    # finishes a pending measurement, advances the step
+          loss.backward()
+          tracker.step()                    # BEFORE optimizer.step(): finish, advance the step
+          optimizer.step(); optimizer.zero_grad()
 
-* **Explicit** (what the callback does): ``begin(step, batch)`` before the forward pass,
-  ``stop_capture()`` before backward, ``finish()`` after the optimizer step.
+* **Explicit** (what the callbacks do): ``begin(step, batch)`` before the forward pass,
+  ``stop_capture()`` before backward, ``finish()`` after backward and before the optimizer step.
+
+``finish()`` must come before the optimizer changes the weights: the head-output covariance
+combines the captured head outputs with the output projection ``W_O`` read at that moment, and it
+must be the ``W_O`` that produced them (holding a copy of every layer's ``W_O`` instead would cost
+a full set of output weights of memory, and under FSDP would gather them all at once).
 
 A measured step ``s`` reports the weights that produced step ``s``'s forward pass (measured in
 ``begin``, before the optimizer changes them) and the activations of that forward pass, so the HDI
@@ -45,7 +51,19 @@ from hdi_monitor.report import DiversityReport, compute_report
 from hdi_monitor.saturation import DiversityEvent, DiversityWarning, SaturationDetector
 from hdi_monitor.sinks import Sink, TensorBoardSink, custom_scalars_layout
 
-__all__ = ["HDITracker", "Measurement", "MonitoringWarning"]
+__all__ = [
+    "HDITracker",
+    "Measurement",
+    "MonitoringWarning",
+    "make_detectors",
+    "ACTIVATION_MIN_DELTA",
+    "ACTIVATION_COLLAPSE_DELTA",
+]
+
+#: Effective-heads series: a rise of less than this many heads is no improvement.
+ACTIVATION_MIN_DELTA = 0.05
+#: Effective-heads series: losing more than this many effective heads from the best is a collapse.
+ACTIVATION_COLLAPSE_DELTA = 1.0
 
 EventAction = str | Callable[[DiversityEvent], Any]
 
@@ -257,10 +275,12 @@ class HDITracker:
             self.stop_capture()
 
     def step(self) -> Measurement | None:
-        """Call after ``optimizer.step()`` in a plain loop.
+        """Call once per optimizer step in a plain loop, after ``backward()`` and before ``optimizer.step()``.
 
         Finishes the current step's measurement (weights only if :meth:`capture` was not used) and
         advances the step counter. Returns the measurement of the step just finished, if any.
+        Called after ``optimizer.step()`` instead, the HDI points are still right (weights are read
+        in :meth:`capture`), but the effective heads mix the new ``W_O`` with the old head outputs.
         """
         if self._pending is None or self._pending.step != self._step:
             self.begin(self._step)  # weights-only measurement when capture() was not used
@@ -492,6 +512,34 @@ class HDITracker:
             warnings.warn(event.message, DiversityWarning, stacklevel=4)
             if self.on_saturation == "stop" and event.kind in ("saturation", "collapse"):
                 self.stop_requested = True
+
+
+def make_detectors(
+    *,
+    early_warning: bool,
+    activations: bool,
+    patience: int,
+    min_delta: float,
+    warmup_steps: int,
+    mode: str,
+    collapse_delta: float,
+    redundancy_threshold: float,
+) -> tuple[SaturationDetector | None, SaturationDetector | None]:
+    """The HDI detector and the effective-heads detector that the integrations share.
+
+    Effective heads are counted in heads, so their detector takes its thresholds in heads
+    (:data:`ACTIVATION_MIN_DELTA`, :data:`ACTIVATION_COLLAPSE_DELTA`); everything else is shared.
+    """
+    if not early_warning:
+        return None, None
+    common = {"patience": patience, "warmup_steps": warmup_steps, "mode": mode, "redundancy_threshold": redundancy_threshold}
+    detector = SaturationDetector(min_delta=min_delta, collapse_delta=collapse_delta, **common)
+    activation_detector = None
+    if activations:
+        activation_detector = SaturationDetector(
+            min_delta=ACTIVATION_MIN_DELTA, collapse_delta=ACTIVATION_COLLAPSE_DELTA, **common
+        )
+    return detector, activation_detector
 
 
 def validate_settings(

@@ -287,3 +287,28 @@ def test_no_attention_layer_disables_with_warning(tmp_path):
         trainer(tmp_path, monitor, max_steps=2).fit(MLP(), loader())
     assert any("HDIMonitor is disabled" in str(w.message) for w in caught)
     assert monitor.history == []
+
+
+def test_points_use_the_weights_of_their_forward_pass(tmp_path):
+    """lr > 0: each point's HDI and effective heads match the model as it was for that batch."""
+    import copy
+
+    snapshots: dict[int, tuple[CharLM, torch.Tensor]] = {}
+
+    class Snapshot(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            snapshots[trainer.global_step] = (copy.deepcopy(pl_module), batch[0].clone())
+
+    model = tiny_lm(lr=0.05)
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), strict=True, early_warning=False, max_tokens=None)
+    trainer(tmp_path, [Snapshot(), monitor], max_steps=5).fit(model, loader())
+    by_step = {int(h["step"]): h for h in monitor.history}
+    assert sorted(by_step) == [0, 2, 4]
+    for step in (2, 4):
+        old_model, tokens = snapshots[step]
+        reference = head_diversity(old_model, inputs=(tokens,))
+        for layer in reference.layers:
+            assert by_step[step][f"hdi/key/{layer.name}"] == pytest.approx(layer.hdi["key"], rel=1e-6)
+            assert by_step[step][f"effective_heads/{layer.name}"] == pytest.approx(layer.effective_heads, rel=1e-5)
+    # and the weights did move between measurements
+    assert by_step[2][f"hdi/key/{LAYERS[0]}"] != pytest.approx(by_step[4][f"hdi/key/{LAYERS[0]}"], rel=1e-7)

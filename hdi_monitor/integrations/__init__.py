@@ -1,0 +1,42 @@
+"""Integrations beyond Lightning: plain PyTorch loops and the Hugging Face ``Trainer``.
+
+* Plain loop: :class:`~hdi_monitor.tracker.HDITracker` itself is the API (re-exported here)::
+
+      tracker = HDITracker(model, every_n_steps=100, writer=SummaryWriter("runs/x"))
+      for batch in loader:
+          with tracker.capture(batch):          # head outputs of this forward pass, if measured
+              loss = loss_fn(model(batch))
+          loss.backward(); optimizer.step(); optimizer.zero_grad()
+          tracker.step()                        # after optimizer.step(): finish, advance the step
+
+* Hugging Face ``Trainer``: :class:`~hdi_monitor.integrations.hf_trainer.HDITrainerCallback`
+  (needs ``transformers``; imported on first use, so this package imports without it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from hdi_monitor.tracker import HDITracker, Measurement
+
+__all__ = ["HDITracker", "Measurement", "HDITrainerCallback"]
+
+_LAZY = {"HDITrainerCallback": "hdi_monitor.integrations.hf_trainer"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hdi_monitor.integrations' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hdi_monitor.integrations.hf_trainer import HDITrainerCallback

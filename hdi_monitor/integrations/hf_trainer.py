@@ -1,0 +1,269 @@
+"""``HDITrainerCallback``: head-diversity monitoring for the Hugging Face ``transformers.Trainer``.
+
+A thin shell over :class:`~hdi_monitor.tracker.HDITracker`, like the Lightning callback. It needs
+``transformers`` (``pip install 'hdi-monitor[hf]'``)::
+
+    from hdi_monitor.integrations import HDITrainerCallback
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[HDITrainerCallback(every_n_steps=100)])
+
+**Step axis.** The Trainer logs the loss of its ``k``-th optimizer update (``k = 1, 2, ...``) at
+``state.global_step == k``: the step counter is incremented after ``optimizer.step()`` and before
+``on_log``. The callback uses the same axis: the point at step ``k`` reports the weights that
+produced update ``k``'s forward passes (measured in ``on_step_begin``, where
+``state.global_step == k - 1``) and the head outputs of those forward passes, so every HDI point sits
+on the same x as the loss it belongs to. Steps ``k`` with ``k % every_n_steps == 0`` are measured;
+with ``every_n_steps == logging_steps`` each HDI point lands on a logged loss point. With
+``measure_at_start`` (default) the initial weights are also measured, weights only, at step 0
+(``on_train_begin``; the Trainer logs no loss there).
+
+**Gradient accumulation.** Only optimizer updates are counted; the head outputs of every
+micro-batch of a measured update are captured. Capture is switched on by a forward pre-hook on the
+model and off by a forward hook when the model's forward returns, so a forward recomputed during
+backward (gradient checkpointing) is not counted twice, and evaluation passes between updates are
+not captured. All hooks come off in ``on_train_end`` (or with :meth:`HDITrainerCallback.close`
+after a training run that raised).
+
+**Where it writes.** To ``writer`` if given: pass the same ``SummaryWriter`` to the Trainer's
+``TensorBoardCallback(writer)`` (with ``report_to=[]``) to get one event stream with the loss.
+Otherwise to a new ``SummaryWriter`` in ``log_dir``, which defaults to ``args.logging_dir`` where the
+installed transformers has it (4.x), else ``$TENSORBOARD_LOGGING_DIR`` (the directory the
+Trainer's own TensorBoard writer uses when set), else ``<output_dir>/runs/<date>_<host>_hdi``.
+Only the main process writes; under ``torch.distributed`` every process measures (activation
+statistics are summed across processes).
+
+**Resume.** Resuming from a checkpoint continues measuring at the resumed ``global_step``; the
+history and the early-warning detector's state start afresh (they are not saved in the Trainer's
+checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from torch import nn
+
+from hdi_monitor.adapters import PROJECTIONS, AttentionSpec
+from hdi_monitor.saturation import DiversityEvent
+from hdi_monitor.tracker import HDITracker, Measurement, make_detectors, validate_settings
+
+try:
+    from transformers import TrainerCallback
+except ImportError as _err:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "HDITrainerCallback needs the transformers package, which is not installed: "
+        "pip install 'hdi-monitor[hf]' (or pip install transformers)"
+    ) from _err
+
+__all__ = ["HDITrainerCallback"]
+
+
+def _default_log_dir(args: Any) -> str:
+    logging_dir = getattr(args, "logging_dir", None)  # TrainingArguments.logging_dir (transformers 4.x)
+    if logging_dir:
+        return str(logging_dir)
+    env = os.getenv("TENSORBOARD_LOGGING_DIR")
+    if env:
+        return os.path.expanduser(env)
+    stamp = datetime.now().strftime("%b%d_%H-%M-%S")
+    return os.path.join(str(args.output_dir), "runs", f"{stamp}_{socket.gethostname()}_hdi")
+
+
+class HDITrainerCallback(TrainerCallback):
+    """Measure attention-head diversity every ``every_n_steps`` optimizer updates of a ``Trainer``.
+
+    Args:
+        every_n_steps: measure updates ``k`` with ``k % every_n_steps == 0`` (``k = state.global_step``
+            after the update, the step the Trainer logs that update's loss at).
+        projections: any of ``"query"``, ``"key"``, ``"value"``, ``"output"``.
+        weighting: ``"spectral"`` (default) or ``"uniform"`` subspace overlap.
+        layers: keep only these attention layers: a regex on qualified module names, or a list of names.
+        spec: an :class:`~hdi_monitor.adapters.AttentionSpec` for models no built-in adapter knows.
+        log_images_every_n_steps: heatmaps and principal-angle histograms every this many steps
+            (default ``10 * every_n_steps``; 0 turns them off).
+        activations: capture the measured update's head outputs (covariance, effective heads).
+        max_tokens: at most this many tokens per layer per measured forward pass.
+        measure_at_start: also measure the initial weights at step 0 (weights only).
+        writer: a ``SummaryWriter`` to write to (share it with ``TensorBoardCallback(writer)``).
+        log_dir: where to create a ``SummaryWriter`` when ``writer`` is None (see the module doc).
+        early_warning: run the saturation/collapse/redundancy detector.
+        patience, min_delta, warmup_steps, mode, collapse_delta, redundancy_threshold: the detector's
+            settings (see :class:`~hdi_monitor.saturation.SaturationDetector`).
+        on_saturation: ``"warn"``, ``"stop"`` (set ``control.should_training_stop`` on saturation or
+            collapse) or a callable receiving each :class:`~hdi_monitor.saturation.DiversityEvent`.
+        strict: raise internal errors instead of warning (for tests).
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 100,
+        projections: Sequence[str] = PROJECTIONS,
+        weighting: str = "spectral",
+        layers: str | list[str] | None = None,
+        spec: AttentionSpec | None = None,
+        log_images_every_n_steps: int | None = None,
+        activations: bool = True,
+        max_tokens: int | None = 4096,
+        measure_at_start: bool = True,
+        writer: Any = None,
+        log_dir: str | os.PathLike[str] | None = None,
+        early_warning: bool = True,
+        patience: int = 10,
+        min_delta: float = 0.002,
+        warmup_steps: int = 1000,
+        mode: str = "max",
+        collapse_delta: float = 0.05,
+        redundancy_threshold: float = 0.9,
+        on_saturation: str | Callable[[DiversityEvent], Any] = "warn",
+        strict: bool = False,
+    ) -> None:
+        validate_settings(
+            every_n_steps=every_n_steps,
+            projections=projections,
+            weighting=weighting,
+            log_images_every_n_steps=log_images_every_n_steps,
+            max_tokens=max_tokens,
+            on_saturation=on_saturation,
+        )
+        if writer is not None and not callable(getattr(writer, "add_scalar", None)):
+            raise TypeError(f"writer must be a torch.utils.tensorboard.SummaryWriter, got {type(writer).__name__}")
+        if writer is not None and log_dir is not None:
+            raise ValueError("give writer or log_dir, not both")
+        self.detector, self.activation_detector = make_detectors(
+            early_warning=early_warning,
+            activations=activations,
+            patience=patience,
+            min_delta=min_delta,
+            warmup_steps=warmup_steps,
+            mode=mode,
+            collapse_delta=collapse_delta,
+            redundancy_threshold=redundancy_threshold,
+        )
+        self.every_n_steps = every_n_steps
+        self.projections = tuple(projections)
+        self.weighting = weighting
+        self.layers = layers
+        self.spec = spec
+        self.log_images_every_n_steps = log_images_every_n_steps
+        self.activations = bool(activations)
+        self.max_tokens = max_tokens
+        self.measure_at_start = bool(measure_at_start)
+        self.writer = writer
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.on_saturation = on_saturation
+        self.strict = bool(strict)
+        self.tracker: HDITracker | None = None
+        self._own_writer: Any = None
+        self._root_handles: list[Any] = []
+        self._measuring: int | None = None  # the step whose forward passes are being captured
+
+    # ------------------------------------------------------------------ results
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """Every measured step's scalars (``{"step": k, "hdi/key/<layer>": ..., ...}``)."""
+        return self.tracker.history if self.tracker is not None else []
+
+    @property
+    def last_measurement(self) -> Measurement | None:
+        return self.tracker.last_measurement if self.tracker is not None else None
+
+    # ------------------------------------------------------------------ Trainer events
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError("HDITrainerCallback: the Trainer passed no model to on_train_begin")
+        self.close()  # a second trainer.train() starts clean
+        writer = self.writer
+        if writer is None and state.is_world_process_zero:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._own_writer = writer = SummaryWriter(log_dir=self.log_dir or _default_log_dir(args))
+        self.tracker = HDITracker(
+            model,
+            every_n_steps=self.every_n_steps,
+            projections=self.projections,
+            weighting=self.weighting,
+            layers=self.layers,
+            spec=self.spec,
+            log_images_every_n_steps=self.log_images_every_n_steps,
+            activations=self.activations,
+            max_tokens=self.max_tokens,
+            writer=writer if state.is_world_process_zero else None,
+            detector=self.detector,
+            activation_detector=self.activation_detector,
+            on_saturation=self.on_saturation,
+            strict=self.strict,
+        )
+        try:
+            _ = self.tracker.layers  # discover now, so a model without attention layers fails here, once
+        except Exception as err:
+            if self.strict:
+                raise
+            self.tracker.disabled = True
+            warnings.warn(f"HDITrainerCallback is disabled for this run: {err}", stacklevel=2)
+            return
+        if self.activations:
+            self._root_handles = [
+                model.register_forward_pre_hook(self._forward_begins, with_kwargs=True),
+                model.register_forward_hook(self._forward_ends, always_call=True),
+            ]
+        if self.measure_at_start and state.global_step == 0:
+            self.tracker.measure(step=0)  # initial weights; no forward pass has run yet
+        self._check_stop(control)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.tracker is None:
+            return
+        step = state.global_step + 1  # where the Trainer will log this update's loss
+        if self.tracker.begin(step):  # measures the weights; hooks follow the model's forwards
+            self.tracker.stop_capture()
+            self._measuring = step if self.activations else None
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # backward is done and the weights are still those of the captured forward passes
+        self._finish(control)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._finish(control)  # no-op unless no optimizer step happened
+
+    def _finish(self, control: Any) -> None:
+        if self.tracker is None:
+            return
+        self._measuring = None
+        if self.tracker.finish() is not None:
+            self._check_stop(control)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove every hook and drop an unfinished measurement; close a writer this callback made."""
+        self._measuring = None
+        handles, self._root_handles = self._root_handles, []
+        for handle in handles:
+            handle.remove()
+        if self.tracker is not None:
+            self.tracker.close()
+        if self._own_writer is not None:
+            self._own_writer.close()
+            self._own_writer = None
+
+    # ------------------------------------------------------------------ internals
+    def _forward_begins(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._measuring is None or self.tracker is None or not module.training:
+            return
+        batch = kwargs if kwargs else (args[0] if len(args) == 1 and isinstance(args[0], Mapping) else None)
+        self.tracker.begin(self._measuring, batch)
+
+    def _forward_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.tracker is not None:
+            self.tracker.stop_capture()
+
+    def _check_stop(self, control: Any) -> None:
+        if self.on_saturation == "stop" and self.tracker is not None and self.tracker.stop_requested:
+            control.should_training_stop = True
