@@ -20,6 +20,7 @@ pairs only (NaN when fewer than two valid heads remain).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -65,13 +66,32 @@ def _check_matrix(x: Tensor, name: str) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.ndim < 2:
         raise ValueError(f"{name} must have shape (..., D, k) with at least 2 dimensions, got {tuple(x.shape)}")
-    if x.is_complex():
-        raise TypeError(f"{name} must be real, got {x.dtype}")
+    if x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be a real number tensor, got {x.dtype}")
+    if x.shape[-2] == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{name} must have at least one row and one column, got shape {tuple(x.shape)}")
+
+
+def _check_heads(heads: Tensor) -> None:
+    _check_matrix(heads, "heads")
+    if heads.ndim < 3:
+        raise ValueError(f"heads must have shape (..., H, D, d), got {tuple(heads.shape)}")
+    if heads.shape[-3] == 0:
+        raise ValueError(f"heads must hold at least one head, got shape {tuple(heads.shape)}")
 
 
 def _check_weighting(weighting: str) -> None:
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+
+
+def _head_peak(heads: Tensor) -> Tensor:
+    """``(..., H)`` largest absolute entry of each head: NaN or inf for a non-finite head, 0 for a dead one."""
+    return heads.abs().amax(dim=(-2, -1))  # amax propagates NaN
+
+
+def _invalid_from_peak(peak: Tensor) -> Tensor:
+    return ~torch.isfinite(peak) | (peak == 0)
 
 
 def invalid_heads(heads: Tensor) -> Tensor:
@@ -84,9 +104,7 @@ def invalid_heads(heads: Tensor) -> Tensor:
         ``(..., H)`` bool tensor, True where a head is all zero or holds NaN/inf.
     """
     _check_matrix(heads, "heads")
-    nonfinite = ~torch.isfinite(heads).all(dim=-1).all(dim=-1)
-    zero = (heads == 0).all(dim=-1).all(dim=-1)
-    return nonfinite | zero
+    return _invalid_from_peak(_head_peak(heads))
 
 
 def orthonormal_basis(x: Tensor, rtol: float | None = None) -> tuple[Tensor, Tensor]:
@@ -103,31 +121,59 @@ def orthonormal_basis(x: Tensor, rtol: float | None = None) -> tuple[Tensor, Ten
     """
     _check_matrix(x, "x")
     rtol = _default_rtol(x) if rtol is None else float(rtol)
-    finite = torch.isfinite(x).all(dim=-1).all(dim=-1)
-    x = torch.where(finite[..., None, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
-    u, s, _ = torch.linalg.svd(x, full_matrices=False)
+    finite = torch.isfinite(_head_peak(x))
+    if not bool(finite.all()):
+        x = torch.where(finite[..., None, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+    # x = Q R (Householder): the singular values of the small R are those of x, and where x has full
+    # column rank Q is already the basis. Only rank-deficient matrices need R's singular vectors,
+    # which turn Q into x's left singular vectors. Half the cost of an SVD of every x.
+    q, r = torch.linalg.qr(x)  # (..., D, k'), (..., k', k) with k' = min(D, k)
+    s = torch.linalg.svdvals(r)  # descending
     keep = s > rtol * s[..., :1]
     keep &= s > 0
-    return u * keep[..., None, :].to(u.dtype), keep.sum(dim=-1)
+    deficient = ~keep.all(dim=-1)
+    if bool(deficient.any()):
+        u_r, _, _ = torch.linalg.svd(r[deficient], full_matrices=False)  # (n, k', k')
+        q = q.clone()
+        q[deficient] = (q[deficient] @ u_r) * keep[deficient][:, None, :].to(q.dtype)
+    return q, keep.sum(dim=-1)
 
 
-def _angles_from_bases(ua: Tensor, ra: Tensor, ub: Tensor, rb: Tensor) -> Tensor:
-    """Principal angles between orthonormal bases (zero-padded past their ranks).
+def _angles_core(m: Tensor, ra: Tensor, rb: Tensor, fetch: Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]) -> Tensor:
+    """Principal angles from the cross products of orthonormal bases (zero-padded past their ranks).
 
-    Cosines are the singular values of ``M = U_a^T U_b``. Each angle below 45 degrees is read from
-    its sine, ``||(I - U_a U_a^T) U_b z_k||`` with ``z_k`` the matching right singular vector of
-    ``M``, so that tiny angles keep full relative accuracy (an ``acos`` of a cosine near 1 cannot).
+    Args:
+        m: ``(..., p', q')`` cross products ``M = U_a^T U_b``.
+        ra, rb: ranks of ``U_a`` and ``U_b``, broadcasting against ``m``'s leading dimensions.
+        fetch: given a bool mask over ``m``'s leading dimensions, returns ``U_a`` and ``U_b``
+            (``(n, D, p')`` and ``(n, D, q')``) and ``r_b`` (``(n,)``) of the selected items, in the
+            order of ``mask.nonzero()``.
+
+    Cosines are the singular values of ``M``. Angles below 45 degrees are read from their sines,
+    the singular values of ``R = U_b - U_a M`` (Knyazev and Argentati, 2002), so tiny angles keep
+    full accuracy, clustered ones included (an ``acos`` of a cosine near 1 cannot). ``R`` is only
+    formed for the items that have such an angle. Returns ascending angles with NaN past
+    ``min(ra, rb)``.
     """
-    m = ua.transpose(-1, -2) @ ub  # (..., p, q)
-    _, cos, vh = torch.linalg.svd(m, full_matrices=False)  # cos descending, vh (..., k, q)
-    z = vh.transpose(-1, -2)  # (..., q, k): z[..., :, k] pairs with cos[..., k]
-    resid = ub @ z - ua @ (m @ z)  # (..., D, k): the part of U_b z_k outside span(U_a)
-    sin = torch.linalg.vector_norm(resid, dim=-2)
-    angles = torch.where(cos > _SQRT_HALF, torch.asin(sin.clamp(max=1.0)), torch.acos(cos.clamp(max=1.0)))
-    k = torch.arange(angles.shape[-1], device=angles.device)
-    valid = k < torch.minimum(ra, rb)[..., None]
-    # cos descending means angles ascending; padded (rank-deficient) entries go last as NaN.
-    return torch.where(valid, angles, torch.full_like(angles, float("nan")))
+    cos = torch.linalg.svdvals(m)  # (..., k) descending, k = min(p', q')
+    angles = torch.acos(cos.clamp(0.0, 1.0))
+    k = cos.shape[-1]
+    small = cos > _SQRT_HALF
+    need = small[..., 0]  # items with at least one angle below 45 degrees
+    if bool(need.any()):
+        ua_s, ub_s, rb_s = fetch(need)
+        resid = ub_s - ua_s @ m[need]  # (n, D, q'): the part of span(U_b) outside span(U_a)
+        sin = torch.linalg.svdvals(resid).flip(-1)  # ascending, q' values
+        # The q' - r_b zero columns of U_b give the first q' - r_b (zero) singular values of R; the
+        # next min(r_a, r_b) are the sines of the principal angles, ascending.
+        width = resid.shape[-1]
+        idx = (width - rb_s)[:, None] + torch.arange(k, device=cos.device)
+        sin_k = sin.gather(-1, idx.clamp(max=width - 1))
+        angles[need] = torch.where(small[need], torch.asin(sin_k.clamp(max=1.0)), angles[need])
+    valid = torch.arange(k, device=cos.device) < torch.minimum(ra, rb)[..., None]
+    angles = torch.where(valid, angles, torch.full_like(angles, float("nan")))
+    # Ascending by construction; the sort only irons out rounding at the 45 degree switch. NaN go last.
+    return angles.sort(dim=-1).values
 
 
 def principal_angles(a: Tensor, b: Tensor, *, rtol: float | None = None) -> Tensor:
@@ -157,7 +203,13 @@ def principal_angles(a: Tensor, b: Tensor, *, rtol: float | None = None) -> Tens
     tol_b = _default_rtol(b) if rtol is None else rtol
     ua, ra = orthonormal_basis(a.to(dtype), rtol=tol_a)
     ub, rb = orthonormal_basis(b.to(dtype), rtol=tol_b)
-    angles = _angles_from_bases(ua, ra, ub, rb)
+    m = ua.transpose(-1, -2) @ ub  # (..., p', q')
+    batch = m.shape[:-2]
+
+    def fetch(need: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # expand is free; the mask copies only what it selects
+        return ua.expand(*batch, *ua.shape[-2:])[need], ub.expand(*batch, *ub.shape[-2:])[need], rb.expand(batch)[need]
+
+    angles = _angles_core(m, ra, rb, fetch)
     width = min(a.shape[-1], b.shape[-1])
     if angles.shape[-1] < width:  # D < p or D < q: no more than D angles exist
         pad = angles.new_full((*angles.shape[:-1], width - angles.shape[-1]), float("nan"))
@@ -171,32 +223,80 @@ def pairwise_principal_angles(heads: Tensor, *, rtol: float | None = None, chunk
     Args:
         heads: ``(..., H, D, d)`` head weights.
         rtol: relative tolerance for the numerical rank.
-        chunk_size: rows ``i`` handled at once; bounds the temporary ``(chunk, H, D, d)`` tensor
-            used for the small-angle sines. Default: all rows when that tensor stays under 64 MiB.
+        chunk_size: rows ``i`` handled at once; bounds the temporaries of one chunk (the
+            ``(chunk, H, d', d')`` cross products and the small-angle residuals). Default: all rows
+            when a ``(chunk, H, D, d')`` tensor stays under 64 MiB.
 
     Returns:
-        ``(..., H, H, d')`` angles in radians (float64), ascending along the last axis, with
-        ``d' = min(D, d)``. The diagonal is zero for valid heads; invalid heads give NaN.
+        ``(..., H, H, d')`` angles in radians (float64, or the input's dtype if wider), ascending along
+        the last axis, with ``d' = min(D, d)``; symmetric in the two head axes. The diagonal holds
+        ``r_i`` zeros for a head of rank ``r_i``; angles past ``min(r_i, r_j)`` are NaN, so invalid
+        heads give NaN rows and columns.
 
-    Each head is orthonormalised once and one Gram matrix of the stacked bases gives every
-    ``U_i^T U_j``; the ``H^2`` small SVDs then run as one batched call.
+    Each head is orthonormalised once and the upper half of the Gram matrix of the stacked bases
+    gives every ``U_i^T U_j``, ``i < j``; their ``H (H - 1) / 2`` small SVDs run as one batched call
+    (per chunk), and the residuals needed for angles below 45 degrees are formed only for the pairs
+    that have one.
     """
-    _check_matrix(heads, "heads")
-    if heads.ndim < 3:
-        raise ValueError(f"heads must have shape (..., H, D, d), got {tuple(heads.shape)}")
+    _check_heads(heads)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
     dtype = _compute_dtype(heads, torch.float64)
     tol = _default_rtol(heads) if rtol is None else rtol
     u, r = orthonormal_basis(heads.to(dtype), rtol=tol)  # (..., H, D, d'), (..., H)
     h, dim, width = u.shape[-3:]
+    lead = u.shape[:-3]
+    u = u.reshape(-1, h, dim, width)  # one flat batch axis b
+    r = r.reshape(-1, h)
     if chunk_size is None:
-        per_row = h * dim * width * u.element_size() * max(1, math.prod(u.shape[:-3]))
+        per_row = h * dim * width * u.element_size() * u.shape[0]
         chunk_size = max(1, min(h, (64 << 20) // max(per_row, 1)))
-    outs = []
-    for start in range(0, h, chunk_size):
-        ua = u[..., start : start + chunk_size, None, :, :]  # (..., c, 1, D, d')
-        ra = r[..., start : start + chunk_size, None]
-        outs.append(_angles_from_bases(ua, ra, u[..., None, :, :, :], r[..., None, :]))
-    return torch.cat(outs, dim=-3)
+    k = torch.arange(width, device=u.device)
+    out = u.new_full((u.shape[0], h, h, width), float("nan"))
+    out.diagonal(dim1=1, dim2=2).copy_(torch.where(k[:, None] < r[:, None, :], 0.0, float("nan")))  # (b, d', H)
+    stacked = rearrange(u, "b h D w -> b D (h w)")
+    for start in range(0, h - 1, chunk_size):
+        rows = range(start, min(h - 1, start + chunk_size))
+        # U_i^T U_j for the pairs j > i of these rows: one (d', D) x (D, (H - 1 - i) d') product per
+        # row, the upper half of the Gram matrix of the stacked bases (half the work of all of it)
+        m = torch.cat(
+            [
+                rearrange(
+                    stacked[..., i * width : (i + 1) * width].transpose(-1, -2) @ stacked[..., (i + 1) * width :],
+                    "b a (j c) -> b j a c",
+                    c=width,
+                )
+                for i in rows
+            ],
+            dim=1,
+        )  # (b, P, d', d')
+        gi = torch.cat([torch.full((h - 1 - i,), i, device=u.device) for i in rows])  # head indices, gi < gj
+        gj = torch.cat([torch.arange(i + 1, h, device=u.device) for i in rows])
+
+        def fetch(need: Tensor, gi: Tensor = gi, gj: Tensor = gj) -> tuple[Tensor, Tensor, Tensor]:
+            bsel, psel = need.nonzero(as_tuple=True)
+            return u[bsel, gi[psel]], u[bsel, gj[psel]], r[bsel, gj[psel]]
+
+        angles = _angles_core(m, r[:, gi], r[:, gj], fetch)
+        out[:, gi, gj] = angles
+        out[:, gj, gi] = angles
+    return out.reshape(*lead, h, h, width)
+
+
+def _cross_sq_norms(x: Tensor) -> Tensor:
+    """``(..., H, H)`` squared Frobenius norms ``||X_i^T X_j||_F^2`` of heads ``x`` ``(..., H, D, d)``.
+
+    These are the squared ``(d, d)`` blocks of the Gram matrix of the stacked ``(D, H d)`` heads,
+    summed. Only its upper half is computed, one ``(d, D) x (D, (H - i) d)`` product per row of
+    blocks (half the work of the whole Gram matrix, which is the entire cost), then mirrored.
+    """
+    h, width = x.shape[-3], x.shape[-1]
+    stacked = rearrange(x, "... h D d -> ... D (h d)")
+    out = x.new_zeros((*x.shape[:-3], h, h))
+    for i in range(h):
+        gram_row = stacked[..., i * width : (i + 1) * width].transpose(-1, -2) @ stacked[..., i * width :]
+        out[..., i, i:] = reduce(gram_row.square(), "... a (j c) -> ... j", "sum", c=width)
+    return out + out.triu(1).transpose(-1, -2)
 
 
 def subspace_overlap(heads: Tensor, weighting: Weighting = "spectral", *, rtol: float | None = None) -> Tensor:
@@ -206,7 +306,7 @@ def subspace_overlap(heads: Tensor, weighting: Weighting = "spectral", *, rtol: 
         heads: ``(..., H, D, d)``; ``heads[..., h, :, :]`` is ``W_h``, whose columns span what head
             ``h`` reads (query/key/value) or writes (output) in the model space.
         weighting: ``"spectral"`` (default), ``rho^w_ij = ||W_i^T W_j||_F^2 / (||W_i^T W_i||_F
-            ||W_j^T W_j||_F)``, computed from one Gram matrix of the stacked heads with no SVD; or
+            ||W_j^T W_j||_F)``, computed from the Gram matrix of the stacked heads with no SVD; or
             ``"uniform"``, ``rho_ij = ||U_i^T U_j||_F^2 / min(r_i, r_j)`` = the mean squared cosine of
             the principal angles.
         rtol: rank tolerance for ``"uniform"``.
@@ -216,33 +316,33 @@ def subspace_overlap(heads: Tensor, weighting: Weighting = "spectral", *, rtol: 
         the input's dtype if wider). Rows and columns of invalid heads (see :func:`invalid_heads`)
         are NaN.
     """
-    _check_matrix(heads, "heads")
-    if heads.ndim < 3:
-        raise ValueError(f"heads must have shape (..., H, D, d), got {tuple(heads.shape)}")
+    _check_heads(heads)
     _check_weighting(weighting)
     dtype = _compute_dtype(heads, torch.float32)
-    bad = invalid_heads(heads)
-    x = torch.where(bad[..., None, None], torch.zeros((), dtype=dtype, device=heads.device), heads.to(dtype))
-    h = x.shape[-3]
+    peak = _head_peak(heads)
+    bad = _invalid_from_peak(peak)
+    x = heads.to(dtype)
+    any_bad = bool(bad.any())
+    if any_bad:
+        x = torch.where(bad[..., None, None], torch.zeros((), dtype=dtype, device=x.device), x)
+        peak = torch.where(bad, torch.ones((), dtype=peak.dtype, device=peak.device), peak)
+    # Both overlaps are scale free. Dividing each head by its largest entry keeps every product in
+    # range: no overflow for huge weights, no underflow for tiny ones.
+    x = x / peak.to(dtype)[..., None, None]
     if weighting == "spectral":
-        # Scale each head to unit Frobenius norm: rho^w is scale free and this keeps squares in range.
-        norm = torch.linalg.matrix_norm(x).clamp_min(torch.finfo(dtype).tiny)
-        x = x / norm[..., None, None]
-        stacked = rearrange(x, "... h D d -> ... D (h d)")
-        gram = stacked.transpose(-1, -2) @ stacked  # (..., H d, H d): every W_i^T W_j at once
-        blocks = reduce(gram.square(), "... (i a) (j b) -> ... i j", "sum", i=h, j=h)
+        blocks = _cross_sq_norms(x)  # ||W_i^T W_j||_F^2
         diag = blocks.diagonal(dim1=-2, dim2=-1).sqrt()
         overlap = blocks / (diag[..., :, None] * diag[..., None, :]).clamp_min(torch.finfo(dtype).tiny)
     else:
         tol = _default_rtol(heads) if rtol is None else rtol
         u, r = orthonormal_basis(x, rtol=tol)
-        stacked = rearrange(u, "... h D d -> ... D (h d)")
-        gram = stacked.transpose(-1, -2) @ stacked
-        blocks = reduce(gram.square(), "... (i a) (j b) -> ... i j", "sum", i=h, j=h)
+        blocks = _cross_sq_norms(u)  # ||U_i^T U_j||_F^2
         overlap = blocks / torch.minimum(r[..., :, None], r[..., None, :]).clamp_min(1).to(dtype)
     overlap = overlap.clamp(0.0, 1.0)
-    pair_bad = bad[..., :, None] | bad[..., None, :]
-    return torch.where(pair_bad, torch.full_like(overlap, float("nan")), overlap)
+    if any_bad:
+        pair_bad = bad[..., :, None] | bad[..., None, :]
+        overlap = torch.where(pair_bad, torch.full_like(overlap, float("nan")), overlap)
+    return overlap
 
 
 def head_diversity_index(overlap: Tensor) -> Tensor:
@@ -295,10 +395,14 @@ def max_hdi(num_heads: int, head_dim: int, model_dim: int) -> float | None:
 
     When ``H d <= D`` the heads can be mutually orthogonal and the bound is 1. Otherwise
     ``sum_{i != j} ||U_i^T U_j||_F^2 >= (H d)^2 / D - H d``, so
-    ``HDI <= 1 - (H d / D - 1) / (H - 1)``. Exact for the uniform overlap; for the spectral one it is
-    the bound for heads with flat spectra. None for a single head (no HDI exists).
+    ``HDI <= 1 - (H d / D - 1) / (H - 1)`` (with ``d`` read as ``min(d, D)``: a head spans at most
+    ``R^D``). Exact and attained (by tight fusion frames) for the uniform overlap. For the spectral
+    overlap it is the bound for heads with flat spectra only: heads whose energy sits in fewer
+    directions can exceed it (random Gaussian heads with ``D=8, d=4, H=4`` average 0.667 against a
+    bound of 0.6667). None for a single head (no HDI exists).
     """
     _check_dims(num_heads=num_heads, head_dim=head_dim, model_dim=model_dim)
     if num_heads < 2:
         return None
-    return 1.0 - max(0.0, (num_heads * head_dim / model_dim - 1.0) / (num_heads - 1))
+    rank = min(head_dim, model_dim)  # a head cannot span more than R^D
+    return 1.0 - max(0.0, (num_heads * rank / model_dim - 1.0) / (num_heads - 1))
