@@ -45,6 +45,7 @@ _LAZY = {
     "AllocationLaw": "hdi_monitor.allocation",
     "recommend_allocation": "hdi_monitor.allocation",
     "fit_allocation_law": "hdi_monitor.allocation",
+    "optimal_head_dim": "hdi_monitor.allocation",
     "TensorBoardSink": "hdi_monitor.sinks",
     "LoggerSink": "hdi_monitor.sinks",
     "MemorySink": "hdi_monitor.sinks",
@@ -79,7 +80,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover
     from hdi_monitor.adapters import AttentionLayer, AttentionSpec, find_attention_layers
-    from hdi_monitor.allocation import AllocationLaw, fit_allocation_law, recommend_allocation
+    from hdi_monitor.allocation import AllocationLaw, fit_allocation_law, optimal_head_dim, recommend_allocation
     from hdi_monitor.callback import HDIMonitor
     from hdi_monitor.integrations.hf_trainer import HDITrainerCallback
     from hdi_monitor.covariance import (

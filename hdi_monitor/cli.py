@@ -53,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
     except Exception as err:  # noqa: BLE001 - one line unless --debug
         if args.debug:
             raise
