@@ -9,7 +9,7 @@ is a dict holding the layer's ``mask_key`` with a matching shape.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -41,13 +41,18 @@ def attach_output_hooks(
     layers: Sequence[AttentionLayer],
     accumulators: Sequence[HeadCovarianceAccumulator | None],
     batch: Any = None,
+    on_error: Callable[[Exception], None] | None = None,
 ) -> list[Any]:
-    """Feed every layer's head outputs into its accumulator; returns handles to ``.remove()``."""
+    """Feed every layer's head outputs into its accumulator; returns handles to ``.remove()``.
+
+    With ``on_error``, an exception inside a hook goes to ``on_error(err)`` instead of the forward pass.
+    """
     handles = []
     try:
         for layer, acc in zip(layers, accumulators, strict=True):
             if acc is not None:
-                handles.append(layer.attach_output_hook(partial(_on_output, acc, batch_mask(batch, layer.mask_key))))
+                fn = partial(_on_output, acc, batch_mask(batch, layer.mask_key))
+                handles.append(layer.attach_output_hook(fn, on_error=on_error))
     except BaseException:
         for handle in handles:
             handle.remove()

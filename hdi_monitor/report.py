@@ -198,6 +198,11 @@ def compute_report(
     weights are stacked and :func:`~hdi_monitor.diversity.subspace_overlap` and
     :func:`~hdi_monitor.diversity.head_diversity_index` run once on the whole group, on the weights'
     device. Results are copied to the CPU once per device at the end.
+
+    Layers with sharded (DTensor, FSDP2) parameters are the exception: reading their weights gathers
+    them (a collective), so each such layer is gathered, reduced to its ``(H, H)`` overlap and freed
+    before the next one, and peak memory stays at one layer's projection. Every rank must call this
+    with the same layers in the same order.
     """
     projections = _check_projections(projections)
     _check_weighting(weighting)
@@ -216,6 +221,7 @@ def compute_report(
     ]
     # (projection, layer indices, overlap (L, h, h), hdi (L,), invalid (L, h)) on the weights' device
     pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]] = []
+    sharded = [_is_sharded(lay) for lay in layers]
     with torch.no_grad():
         for proj in projections:
             groups: dict[tuple, list[tuple[int, Tensor]]] = {}
@@ -226,11 +232,17 @@ def compute_report(
                         f"{lay.name}: {proj} weights are on the meta device; materialise the model before "
                         "measuring it (find_attention_layers skips such layers with a warning)"
                     )
-                key = (tuple(w.shape), w.dtype, w.device)
-                groups.setdefault(key, []).append((i, w))
                 heads, d_in, d = w.shape
                 results[i].chance_hdi[proj] = chance_hdi(d_in, d, weighting)  # type: ignore[arg-type]
                 results[i].max_hdi[proj] = max_hdi(heads, d, d_in)
+                if sharded[i]:  # a gathered copy: reduce it now and let it go (one layer in memory)
+                    one = w[None]
+                    overlap = subspace_overlap(one, weighting)  # type: ignore[arg-type]
+                    pending.append((proj, [i], overlap, head_diversity_index(overlap), invalid_heads(one)))
+                    del w, one
+                    continue
+                key = (tuple(w.shape), w.dtype, w.device)
+                groups.setdefault(key, []).append((i, w))
             for members in groups.values():
                 idx = [i for i, _ in members]
                 stacked = torch.stack([w for _, w in members])  # (L, h, D_in, d)
@@ -238,6 +250,11 @@ def compute_report(
                 pending.append((proj, idx, overlap, head_diversity_index(overlap), invalid_heads(stacked)))
     _collect(pending, results)
     return DiversityReport(layers=results, projections=projections, weighting=weighting)
+
+
+def _is_sharded(layer: AttentionLayer) -> bool:
+    """True if the layer's parameters are DTensors (FSDP2 / tensor parallel): reading them gathers them."""
+    return any(callable(getattr(p, "full_tensor", None)) for p in layer.module.parameters())
 
 
 def _collect(pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]], results: list[LayerDiversity]) -> None:

@@ -88,6 +88,7 @@ class _Pending:
     report: DiversityReport
     accumulators: list[HeadCovarianceAccumulator | None]
     batch_masks: list[Tensor | None] = field(default_factory=list)
+    forward_expected: bool = True  # False for weight-only measurements (step() without capture())
 
 
 def _check_positive_int(name: str, value: Any, *, allow_zero: bool = False) -> None:
@@ -284,6 +285,8 @@ class HDITracker:
         """
         if self._pending is None or self._pending.step != self._step:
             self.begin(self._step)  # weights-only measurement when capture() was not used
+            if self._pending is not None:
+                self._pending.forward_expected = False
         result = self.finish()
         self._step += 1
         return result
@@ -355,7 +358,23 @@ class HDITracker:
     def _attach(self, batch: Any) -> None:
         pending = self._pending
         if pending is not None and self.activations:
-            self._handles += attach_output_hooks(self.layers, pending.accumulators, batch)
+            self._handles += attach_output_hooks(self.layers, pending.accumulators, batch, on_error=self._hook_failed)
+
+    def _hook_failed(self, err: Exception) -> None:
+        """A head-output hook raised inside the forward pass: drop this measurement (in ``finish``
+        every rank then agrees to drop it) and let the forward pass go on; hooks stay attached until
+        ``stop_capture`` (removing them inside a hook would change the dict being iterated)."""
+        if self.strict:
+            raise err
+        if self._pending is None:
+            return  # already dropped (and warned) by an earlier hook of this forward pass
+        self._pending = None
+        warnings.warn(
+            f"hdi-monitor: error while capturing head outputs; training goes on, this measurement is skipped "
+            f"({type(err).__name__}: {err}). Pass strict=True to raise instead.",
+            MonitoringWarning,
+            stacklevel=2,
+        )
 
     def _finish(self, pending: _Pending) -> Measurement:
         report, step = pending.report, pending.step
@@ -374,6 +393,10 @@ class HDITracker:
                 entry.effective_heads = result.effective_heads
                 entry.mean_correlation = result.mean_correlation
                 entry.variance_ratio = result.variance_ratio
+                entry.num_tokens = result.num_tokens
+            # token counts are all-rank totals here, so every rank takes the same decision
+            if pending.forward_expected and 0 in self.last_token_counts and _is_compiled(self.model):
+                self._compile_fallback()
 
         scalars = self._scalars(report)
         events = self._detect(step, report)
@@ -391,6 +414,20 @@ class HDITracker:
         self._last_step = max(self._last_step, step)
         self._dispatch(events)
         return measurement
+
+    def _compile_fallback(self) -> None:
+        """Hooks did not run inside a torch.compile'd forward: warn once, go on with weights only."""
+        missed = [la.name for la, n in zip(self.layers, self.last_token_counts) if n == 0]
+        shown = ", ".join(missed[:3]) + (", ..." if len(missed) > 3 else "")
+        self.activations = False
+        warnings.warn(
+            f"hdi-monitor: the model runs under torch.compile and the head-output hooks of {len(missed)} "
+            f"layer(s) ({shown}) did not run inside the compiled forward (Dynamo does not see hooks attached "
+            "after compilation). Activation statistics (covariance, effective heads) are off from now on; the "
+            "weight-based HDI is unaffected. Pass activations=False to silence this warning.",
+            MonitoringWarning,
+            stacklevel=4,
+        )
 
     def _scalars(self, report: DiversityReport) -> dict[str, float]:
         scalars: dict[str, float] = {}
@@ -568,6 +605,20 @@ def validate_settings(
         _check_positive_int("max_tokens", max_tokens)
     if not callable(on_saturation) and on_saturation not in ("warn", "stop"):
         raise ValueError(f"on_saturation must be 'warn', 'stop' or a callable, got {on_saturation!r}")
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    """True if ``model`` or a submodule runs through torch.compile: a ``torch.compile(m)`` wrapper
+    (``OptimizedModule``), an in-place ``m.compile()``, or Lightning's compiled LightningModule."""
+    if getattr(model, "_compiler_ctx", None):
+        return True
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover - torch without Dynamo
+        return False
+    return any(
+        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()
+    )
 
 
 def _all_ranks_agree(flag: bool) -> bool:

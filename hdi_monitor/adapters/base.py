@@ -51,6 +51,24 @@ PROJECTIONS: tuple[str, ...] = ("query", "key", "value", "output")
 OutputHook = Callable[[Tensor, "Tensor | None"], None]
 """``fn(o, keep_mask)``: ``o`` is ``(..., num_heads * head_dim)``, ``keep_mask`` None or bool."""
 
+ErrorHandler = Callable[[Exception], None]
+"""``on_error(err)``: receives an exception raised inside an output hook instead of the forward pass."""
+
+
+def guarded(pre_hook: Callable[..., None], on_error: ErrorHandler | None) -> Callable[..., None]:
+    """``pre_hook`` with its exceptions passed to ``on_error`` (re-raised when ``on_error`` is None)."""
+    if on_error is None:
+        return pre_hook
+
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            pre_hook(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - monitoring must not break the forward pass
+            on_error(err)
+
+    return run
+
+
 WeightSource = Callable[[], Tensor]
 """Returns one projection's weight in ``nn.Linear`` layout, gathered (not a DTensor shard).
 
@@ -218,12 +236,13 @@ class AttentionLayer:
         _check_divides(self.name, projection, w.shape[0], heads, self.head_dim, "output features")
         return split_out_features(w, heads)
 
-    def attach_output_hook(self, fn: OutputHook) -> HookHandle:
+    def attach_output_hook(self, fn: OutputHook, on_error: ErrorHandler | None = None) -> HookHandle:
         """Call ``fn(o, keep_mask)`` on every forward of this layer while attached.
 
         ``o`` is ``(..., num_heads * head_dim)``, the concatenated per-head outputs before the output
         projection, head-major, detached. ``keep_mask`` is None here (token masks come from the batch,
-        see :attr:`mask_key`). Returns a handle with ``.remove()``.
+        see :attr:`mask_key`). With ``on_error``, an exception inside the hook goes to
+        ``on_error(err)`` and the forward pass goes on. Returns a handle with ``.remove()``.
         """
         if self._output_module is None:
             raise ValueError(
@@ -235,7 +254,7 @@ class AttentionLayer:
             o = args[0] if args else next(iter(kwargs.values()))
             fn(o.detach(), None)
 
-        return HookHandle(self._output_module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        return HookHandle(self._output_module.register_forward_pre_hook(guarded(pre_hook, on_error), with_kwargs=True))
 
     def parameters_not_ready(self) -> list[str]:
         """Names of this module's parameters that are on the meta device or uninitialised (lazy)."""

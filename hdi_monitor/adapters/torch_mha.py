@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from hdi_monitor.adapters.base import Adapter, AttentionLayer, HookHandle, OutputHook, full_weight
+from hdi_monitor.adapters.base import Adapter, AttentionLayer, ErrorHandler, HookHandle, OutputHook, full_weight, guarded
 
 __all__ = ["ADAPTER", "MHALayer", "mha_head_outputs"]
 
@@ -154,7 +154,7 @@ def mha_head_outputs(
 class MHALayer(AttentionLayer):
     """An ``nn.MultiheadAttention``; its output hook recomputes head outputs from the forward inputs."""
 
-    def attach_output_hook(self, fn: OutputHook) -> HookHandle:
+    def attach_output_hook(self, fn: OutputHook, on_error: ErrorHandler | None = None) -> HookHandle:
         """Call ``fn(o, keep_mask)`` on every forward of the MHA while attached.
 
         ``o`` is recomputed from the call's inputs (see :func:`mha_head_outputs`). For self-attention
@@ -187,7 +187,7 @@ class MHALayer(AttentionLayer):
                         keep = keep.transpose(0, 1)
             fn(o, keep)
 
-        handle = mha.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        handle = mha.register_forward_pre_hook(guarded(pre_hook, on_error), with_kwargs=True)
         _hold_fastpath_off()
         return HookHandle(handle, on_remove=_release_fastpath)
 

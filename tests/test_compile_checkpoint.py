@@ -1,0 +1,308 @@
+"""HDIMonitor / HDITracker on torch.compile'd models and under gradient checkpointing.
+
+torch.compile: Dynamo does not guard on module hooks by default
+(``torch._dynamo.config.skip_nnmodule_hook_guards``), so a forward pre-hook attached after a
+module was compiled does not run inside the compiled forward. The tracker attaches its head-output
+hooks only for measured steps, so on a compiled model it must either still measure correctly
+(values equal to the uncompiled model's) or fall back to weight-only metrics with a warning. Found
+with torch 2.13: ``nn.MultiheadAttention`` models are measured at every step (the MHA hooks switch
+the MHA fast-path flag, which Dynamo guards on, so the compiled forward is re-specialised for the
+measured steps); other models are measured at the first measured step only (compiled with the hooks
+in place) and need the fallback afterwards.
+Compilation uses ``backend="eager"``: whether hooks run is decided by Dynamo's tracing and guards,
+not by the backend, and the eager backend compiles in about a second instead of about thirty.
+
+Gradient checkpointing: the forward pass of a checkpointed block runs again during backward.
+The callback removes its hooks in ``on_before_backward``, so the recomputation is not counted.
+
+References: ``head_diversity()`` of the same uncompiled, unchecked model (lr=0, so the weights never
+change), with ``inputs=`` the measured step's batch for the activation statistics.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader
+
+from hdi_monitor import AttentionSpec, HDIMonitor, HDITracker, head_diversity
+from hdi_monitor.demo import CharLM
+from hdi_monitor.tracker import MonitoringWarning
+
+PROJECTIONS = ("query", "key", "value", "output")
+STEPS, EVERY, BATCH, SEQ = 5, 2, 4, 16
+MEASURED = [0, 2, 4]
+
+
+# ------------------------------------------------------------------------------------------- models
+
+
+class Attention(nn.Module):
+    """A plain causal self-attention (no nn.MultiheadAttention): found through an AttentionSpec."""
+
+    def __init__(self, d_model: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(d_model, d_model, bias=False) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = (rearrange(lin(x), "b t (h d) -> b h t d", h=self.num_heads) for lin in (self.wq, self.wk, self.wv))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(rearrange(o, "b h t d -> b t (h d)"))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, num_heads: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.attn = Attention(d_model, num_heads)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 2 * d_model), nn.GELU(), nn.Linear(2 * d_model, d_model))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm(x))
+        return x + self.mlp(x)
+
+
+class SpecNet(nn.Module):
+    """Token embedding, two blocks of custom attention, tied read-out."""
+
+    def __init__(self, d_model: int = 32, num_heads: int = 4, num_layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(128, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, num_heads) for _ in range(num_layers))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return x @ self.embed.weight.T
+
+
+SPEC = AttentionSpec(modules=r"(.*\.)?blocks\.\d+\.attn", query="wq", key="wk", value="wv", output="wo", num_heads=4)
+
+
+class SpecLM(pl.LightningModule):
+    """A LightningModule around :class:`SpecNet` (SGD, lr=0: the weights never change)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = SpecNet()
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.net(tokens)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x).reshape(-1, 128), y.reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class CheckpointedCharLM(CharLM):
+    """CharLM whose encoder layers run under ``torch.utils.checkpoint`` (recomputed in backward)."""
+
+    def __init__(self, *args, use_reentrant: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        t = tokens.shape[1]
+        x = self.embed(tokens) + self.pos[:t]
+        mask = self.causal[:t, :t]
+        for layer in self.encoder.layers:
+            x = checkpoint(layer, x, mask, None, True, use_reentrant=self.use_reentrant)  # src_mask, padding, is_causal
+        return self.norm(x) @ self.embed.weight.T
+
+
+def char_lm(cls=CharLM, **kwargs) -> CharLM:
+    torch.manual_seed(0)
+    model = cls(d_model=32, num_heads=4, num_layers=2, seq_len=SEQ, lr=0.0, **kwargs)
+    for layer in model.encoder.layers:  # nn.TransformerEncoder deep-copies one layer: make them differ
+        layer.self_attn._reset_parameters()
+    return model
+
+
+def spec_lm() -> SpecLM:
+    torch.manual_seed(0)
+    return SpecLM()
+
+
+def batches() -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 128, (STEPS * BATCH, SEQ + 1), generator=g)
+    return [(tokens[i : i + BATCH, :-1], tokens[i : i + BATCH, 1:]) for i in range(0, STEPS * BATCH, BATCH)]
+
+
+def fit(model: pl.LightningModule, monitor: HDIMonitor) -> None:
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=STEPS,
+        logger=False,
+        callbacks=[monitor],
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(batches(), batch_size=None))
+
+
+def references(model: nn.Module, spec: AttentionSpec | None):
+    """Uncompiled head_diversity: the weights, and each measured step's batch."""
+    weights = head_diversity(model, projections=PROJECTIONS, spec=spec)
+    acts = {s: head_diversity(model, spec=spec, inputs=batches()[s][0]) for s in MEASURED}
+    return weights, acts
+
+
+def check_measured_or_fell_back(history: list[dict], caught: list, weights, acts, prefix: str = "") -> list[int]:
+    """Weight HDIs equal the uncompiled model's at every measured step; effective heads either equal
+    the uncompiled model's or are absent, and if any is absent a MonitoringWarning names
+    torch.compile. Returns the steps with activation statistics."""
+    assert [int(h["step"]) for h in history] == MEASURED
+    measured = []
+    for h in history:
+        step = int(h["step"])
+        for layer in weights.layers:
+            for projection in PROJECTIONS:
+                assert h[f"hdi/{projection}/{prefix}{layer.name}"] == pytest.approx(layer.hdi[projection], rel=1e-6)
+        keys = [f"effective_heads/{prefix}{layer.name}" for layer in weights.layers]
+        if all(k in h for k in keys):
+            for key, layer in zip(keys, acts[step].layers):
+                assert h[key] == pytest.approx(layer.effective_heads, rel=1e-5), f"step {step}: {key}"
+            measured.append(step)
+        else:
+            assert not any(k in h for k in keys), f"step {step}: activation statistics for only some layers"
+    fallback = [w for w in caught if issubclass(w.category, MonitoringWarning) and "torch.compile" in str(w.message)]
+    if measured != MEASURED:
+        missing = sorted(set(MEASURED) - set(measured))
+        assert fallback, f"activation statistics missing at steps {missing} without a warning"
+    return measured
+
+
+# ------------------------------------------------------------------------------------ torch.compile
+
+
+def test_hooks_attached_after_compile_do_not_run():
+    """The premise of the fallback (torch 2.13): a pre-hook attached after compilation is invisible
+    to the compiled forward, while the same hook on the uncompiled module runs. If this starts
+    failing, Dynamo guards on hooks and the fallback warning should no longer appear."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    compiled = torch.compile(model, backend="eager")
+    compiled(x)
+    seen = []
+    handle = model[2].register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach().clone()))
+    try:
+        compiled(x)
+        assert seen == []
+        model(x)  # eager: the same hook runs
+        assert len(seen) == 1
+        torch.testing.assert_close(seen[0], torch.relu(model[0](x)))
+    finally:
+        handle.remove()
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("how", ["wrap", "inplace"])
+@pytest.mark.parametrize("family", ["torch_mha", "spec"])
+def test_monitor_on_compiled_submodule(family, how):
+    """LightningModule with a compiled submodule (``torch.compile(m)`` replaces it and names gain
+    ``_orig_mod``; ``m.compile()`` compiles in place)."""
+    torch._dynamo.reset()
+    if family == "torch_mha":
+        model, spec, inner = char_lm(), None, "encoder"
+    else:
+        model, spec, inner = spec_lm(), SPEC, "net"
+    weights, acts = references(model, spec)
+    if how == "wrap":
+        setattr(model, inner, torch.compile(getattr(model, inner), backend="eager"))
+        prefix = f"{inner}._orig_mod."
+    else:
+        getattr(model, inner).compile(backend="eager")
+        prefix = ""
+    monitor = HDIMonitor(
+        every_n_steps=EVERY, spec=spec, log_images_every_n_steps=0, early_warning=False, max_tokens=None
+    )
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(model, monitor)
+    finally:
+        torch._dynamo.reset()
+    if how == "wrap":  # torch.compile(m) puts the module under `_orig_mod`: compare under those names
+        for ref in (weights, *acts.values()):
+            for layer in ref.layers:
+                layer.name = layer.name.removeprefix(inner + ".")
+    assert [layer.name for layer in monitor.tracker.layers] == [prefix + layer.name for layer in weights.layers]
+    measured = check_measured_or_fell_back(monitor.history, caught, weights, acts, prefix=prefix)
+    if family == "torch_mha":  # the MHA hooks toggle the fast-path flag that Dynamo guards on: all measured
+        assert measured == MEASURED
+
+
+@pytest.mark.parametrize("family", ["torch_mha", "spec"])
+def test_tracker_on_whole_compiled_model(family):
+    """Plain loop: ``HDITracker(torch.compile(model))`` with ``capture()`` around each forward."""
+    torch._dynamo.reset()
+    if family == "torch_mha":
+        model, spec = char_lm(), None
+    else:
+        model, spec = spec_lm().net, SPEC
+    weights, acts = references(model, spec)
+    compiled = torch.compile(model, backend="eager")
+    tracker = HDITracker(compiled, every_n_steps=EVERY, spec=spec, log_images_every_n_steps=0, max_tokens=None)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x, _ in batches():
+                with tracker.capture(x):
+                    compiled(x).sum().backward()
+                tracker.step()
+    finally:
+        torch._dynamo.reset()
+    measured = check_measured_or_fell_back(tracker.history, caught, weights, acts, prefix="_orig_mod.")
+    if family == "torch_mha":
+        assert measured == MEASURED
+
+
+# ---------------------------------------------------------------------------- gradient checkpointing
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_checkpointing_does_not_double_count(use_reentrant):
+    """Checkpointed encoder layers run their forward twice per step (once more in backward); the
+    monitor counts each token once and gives the covariance of the model without checkpointing."""
+    model = char_lm(CheckpointedCharLM, use_reentrant=use_reentrant)
+    plain = char_lm()
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):  # the same weights
+        assert torch.equal(ours, theirs)
+    acts = {s: head_diversity(plain, inputs=batches()[s][0]) for s in MEASURED}
+    calls = []
+    counter = model.encoder.layers[0].self_attn.register_forward_pre_hook(
+        lambda mod, args, kwargs: calls.append(1), with_kwargs=True
+    )
+    monitor = HDIMonitor(
+        every_n_steps=EVERY, log_images_every_n_steps=0, early_warning=False, max_tokens=None, strict=True
+    )
+    fit(model, monitor)
+    counter.remove()
+    assert len(calls) == 2 * STEPS  # the checkpoint really recomputed every forward in backward
+    assert monitor.tracker.last_token_counts == [BATCH * SEQ] * 2
+    assert [int(h["step"]) for h in monitor.history] == MEASURED
+    for h in monitor.history:
+        for layer in acts[int(h["step"])].layers:
+            assert h[f"effective_heads/{layer.name}"] == pytest.approx(layer.effective_heads, rel=1e-5)
+            assert h[f"head_correlation/{layer.name}"] == pytest.approx(layer.mean_correlation, rel=1e-5, abs=1e-7)
+    last = monitor.last_measurement.report.layers
+    for got, ref in zip(last, acts[4].layers, strict=True):
+        scale = float(ref.covariance.abs().max())
+        torch.testing.assert_close(got.covariance, ref.covariance.double(), rtol=1e-5, atol=1e-6 * scale)
