@@ -118,9 +118,9 @@ class CharLM(pl.LightningModule):
 def run_demo(
     out_dir: str | Path = "runs",
     *,
-    max_steps: int = 600,
-    every_n_steps: int = 20,
-    log_images_every_n_steps: int = 100,
+    max_steps: int = 1200,
+    every_n_steps: int = 25,
+    log_images_every_n_steps: int = 200,
     d_model: int = 128,
     num_heads: int = 8,
     num_layers: int = 4,

@@ -11,9 +11,9 @@ HELP = "train a small character-level transformer with HDIMonitor and write Tens
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs", help="TensorBoard log root (default: runs)")
-    parser.add_argument("--steps", type=int, default=600, help="optimizer steps (default: 600)")
-    parser.add_argument("--every", type=int, default=20, help="measure every N steps (default: 20)")
-    parser.add_argument("--images-every", type=int, default=100, help="heatmaps every N steps (default: 100)")
+    parser.add_argument("--steps", type=int, default=1200, help="optimizer steps (default: 1200)")
+    parser.add_argument("--every", type=int, default=25, help="measure every N steps (default: 25)")
+    parser.add_argument("--images-every", type=int, default=200, help="heatmaps every N steps (default: 200)")
     parser.add_argument("--d-model", type=int, default=128, help="model width (default: 128)")
     parser.add_argument("--heads", type=int, default=8, help="attention heads per layer (default: 8)")
     parser.add_argument("--layers", type=int, default=4, help="encoder layers (default: 4)")
