@@ -19,9 +19,11 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
 
 from hdi_monitor.adapters import PROJECTIONS, AttentionSpec
 from hdi_monitor.saturation import DiversityEvent
+from hdi_monitor.sharding import contains_fsdp1
 from hdi_monitor.sinks import LoggerSink, Sink, TensorBoardSink
 from hdi_monitor.tracker import HDITracker, Measurement, make_detectors, validate_settings
 
@@ -175,6 +177,11 @@ class HDIMonitor(Callback):
         if self._restored is not None:  # state restored after setup (the usual order)
             self.tracker.load_state_dict(self._restored)
             self._restored = None
+        # FSDPStrategy (FSDP1) wraps the model in its setup, which runs after ours; its outermost
+        # module is the FSDP root, which must be known to read weights one FSDP unit at a time
+        root = trainer.strategy.model
+        if self.tracker.fsdp_root is None and isinstance(root, nn.Module) and contains_fsdp1(root):
+            self.tracker.fsdp_root = root
         try:
             self.tracker.layers  # discover now: parameters are configured and wrapped by the strategy
         except Exception as err:

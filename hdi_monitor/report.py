@@ -26,6 +26,7 @@ from hdi_monitor.diversity import (
     max_hdi,
     subspace_overlap,
 )
+from hdi_monitor.sharding import full_weights, gathers_weights, is_fsdp1_module
 
 __all__ = ["DiversityReport", "LayerDiversity", "compute_report", "head_diversity"]
 
@@ -191,6 +192,8 @@ def compute_report(
     layers: list[AttentionLayer],
     projections: Sequence[str] = ("key",),
     weighting: str = "spectral",
+    *,
+    fsdp_root: nn.Module | None = None,
 ) -> DiversityReport:
     """Weight-based diversity of already-found attention layers.
 
@@ -199,10 +202,18 @@ def compute_report(
     :func:`~hdi_monitor.diversity.head_diversity_index` run once on the whole group, on the weights'
     device. Results are copied to the CPU once per device at the end.
 
-    Layers with sharded (DTensor, FSDP2) parameters are the exception: reading their weights gathers
-    them (a collective), so each such layer is gathered, reduced to its ``(H, H)`` overlap and freed
-    before the next one, and peak memory stays at one layer's projection. Every rank must call this
-    with the same layers in the same order.
+    Sharded layers are the exception: reading their weights is a collective (DTensor parameters
+    under FSDP2 are gathered; FSDP1 units are unsharded, see :func:`~hdi_monitor.sharding.full_weights`),
+    so each such layer is gathered, reduced to its ``(H, H)`` overlaps (all projections) and freed
+    before the next one, and peak memory stays at one layer (one FSDP1 unit). Every rank must call
+    this with the same layers in the same order.
+
+    Args:
+        layers: from :func:`~hdi_monitor.adapters.find_attention_layers`.
+        projections: which of ``"query"``, ``"key"``, ``"value"``, ``"output"`` to measure.
+        weighting: ``"spectral"`` or ``"uniform"``.
+        fsdp_root: for FSDP1 (``FullyShardedDataParallel``) models, the root FSDP module (in
+            Lightning ``trainer.strategy.model``); ignored otherwise.
     """
     projections = _check_projections(projections)
     _check_weighting(weighting)
@@ -221,28 +232,37 @@ def compute_report(
     ]
     # (projection, layer indices, overlap (L, h, h), hdi (L,), invalid (L, h)) on the weights' device
     pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]] = []
-    sharded = [_is_sharded(lay) for lay in layers]
+    sharded = [gathers_weights(lay, fsdp_root) for lay in layers]
+
+    def read(i: int, proj: str) -> Tensor:
+        lay = layers[i]
+        w = lay.head_weights(proj)
+        if w.is_meta:
+            raise ValueError(
+                f"{lay.name}: {proj} weights are on the meta device; materialise the model before "
+                "measuring it (find_attention_layers skips such layers with a warning)"
+            )
+        heads, d_in, d = w.shape
+        results[i].chance_hdi[proj] = chance_hdi(d_in, d, weighting)  # type: ignore[arg-type]
+        results[i].max_hdi[proj] = max_hdi(heads, d, d_in)
+        return w
+
     with torch.no_grad():
-        for proj in projections:
-            groups: dict[tuple, list[tuple[int, Tensor]]] = {}
-            for i, lay in enumerate(layers):
-                w = lay.head_weights(proj)
-                if w.is_meta:
-                    raise ValueError(
-                        f"{lay.name}: {proj} weights are on the meta device; materialise the model before "
-                        "measuring it (find_attention_layers skips such layers with a warning)"
-                    )
-                heads, d_in, d = w.shape
-                results[i].chance_hdi[proj] = chance_hdi(d_in, d, weighting)  # type: ignore[arg-type]
-                results[i].max_hdi[proj] = max_hdi(heads, d, d_in)
-                if sharded[i]:  # a gathered copy: reduce it now and let it go (one layer in memory)
-                    one = w[None]
+        for i, lay in enumerate(layers):
+            if not sharded[i]:
+                continue
+            with full_weights(lay, fsdp_root):  # one layer's full weights at a time
+                for proj in projections:
+                    one = read(i, proj)[None]
                     overlap = subspace_overlap(one, weighting)  # type: ignore[arg-type]
                     pending.append((proj, [i], overlap, head_diversity_index(overlap), invalid_heads(one)))
-                    del w, one
-                    continue
-                key = (tuple(w.shape), w.dtype, w.device)
-                groups.setdefault(key, []).append((i, w))
+                    del one
+        for proj in projections:
+            groups: dict[tuple, list[tuple[int, Tensor]]] = {}
+            for i in range(len(layers)):
+                if not sharded[i]:
+                    w = read(i, proj)
+                    groups.setdefault((tuple(w.shape), w.dtype, w.device), []).append((i, w))
             for members in groups.values():
                 idx = [i for i, _ in members]
                 stacked = torch.stack([w for _, w in members])  # (L, h, D_in, d)
@@ -250,11 +270,6 @@ def compute_report(
                 pending.append((proj, idx, overlap, head_diversity_index(overlap), invalid_heads(stacked)))
     _collect(pending, results)
     return DiversityReport(layers=results, projections=projections, weighting=weighting)
-
-
-def _is_sharded(layer: AttentionLayer) -> bool:
-    """True if the layer's parameters are DTensors (FSDP2 / tensor parallel): reading them gathers them."""
-    return any(callable(getattr(p, "full_tensor", None)) for p in layer.module.parameters())
 
 
 def _collect(pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]], results: list[LayerDiversity]) -> None:
@@ -295,6 +310,8 @@ def _add_activation_stats(
     results: list[LayerDiversity],
     inputs: Any,
     max_tokens: int | None,
+    *,
+    fsdp_root: nn.Module | None = None,
 ) -> None:
     """Run ``inputs`` through ``model`` with output hooks feeding one accumulator per layer."""
     from hdi_monitor.capture import attach_output_hooks, call_model, iter_batches
@@ -302,7 +319,11 @@ def _add_activation_stats(
 
     accs = [
         HeadCovarianceAccumulator(
-            lay.num_heads, lay.head_dim, max_tokens=max_tokens, device=lay.head_weights("output").device
+            lay.num_heads,
+            lay.head_dim,
+            max_tokens=max_tokens,
+            # a sharded layer's state goes where its first head outputs are (no gather just for a device)
+            device=None if gathers_weights(lay, fsdp_root) else lay.head_weights("output").device,
         )
         for lay in layers
     ]
@@ -325,7 +346,8 @@ def _add_activation_stats(
         raise ValueError("inputs held no batch")
     for lay, acc, res in zip(layers, accs, results):
         try:
-            stats = acc.compute(lay.head_weights("output"))
+            with full_weights(lay, fsdp_root):
+                stats = acc.compute(lay.head_weights("output"))
         except ValueError as exc:
             raise ValueError(f"{lay.name}: no head-output statistics: {exc}") from exc
         res.covariance = stats.covariance.detach().cpu()
@@ -365,6 +387,9 @@ def head_diversity(
 
     Returns:
         A :class:`DiversityReport`; ``print(report)`` shows a table.
+
+    An FSDP1 model (``FullyShardedDataParallel``) is measured one FSDP unit at a time when
+    ``model`` is the FSDP root itself (a collective: call it on every rank).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -372,9 +397,10 @@ def head_diversity(
     _check_weighting(weighting)
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
+    root = model if is_fsdp1_module(model) else None
     with torch.no_grad():
         found = find_attention_layers(model, spec=spec, layers=layers)
-        report = compute_report(found, projections=projections, weighting=weighting)
+        report = compute_report(found, projections=projections, weighting=weighting, fsdp_root=root)
         if inputs is not None:
-            _add_activation_stats(model, found, report.layers, inputs, max_tokens)
+            _add_activation_stats(model, found, report.layers, inputs, max_tokens, fsdp_root=root)
     return report

@@ -49,6 +49,7 @@ from hdi_monitor.diversity import WEIGHTINGS, pairwise_principal_angles
 from hdi_monitor.render import heatmap
 from hdi_monitor.report import DiversityReport, compute_report
 from hdi_monitor.saturation import DiversityEvent, DiversityWarning, SaturationDetector
+from hdi_monitor.sharding import full_weights, gathers_weights, is_fsdp1_module
 from hdi_monitor.sinks import Sink, TensorBoardSink, custom_scalars_layout
 
 __all__ = [
@@ -123,6 +124,11 @@ class HDITracker:
         on_saturation: ``"warn"`` (a :class:`DiversityWarning` per event), ``"stop"`` (warn, and set
             :attr:`stop_requested` on saturation or collapse), or a callable receiving each event.
         strict: raise internal errors instead of turning them into warnings (for tests).
+        fsdp_root: for FSDP1 (``FullyShardedDataParallel``) models, the root FSDP module, when
+            ``model`` is not that root itself (it defaults to ``model`` when ``model`` is an FSDP1
+            module). Weights are then read one FSDP unit at a time (see
+            :func:`~hdi_monitor.sharding.full_weights`). The Lightning callback sets it to
+            ``trainer.strategy.model``. Can also be set later through the attribute.
     """
 
     def __init__(
@@ -143,9 +149,12 @@ class HDITracker:
         activation_detector: SaturationDetector | None = None,
         on_saturation: EventAction = "warn",
         strict: bool = False,
+        fsdp_root: nn.Module | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if fsdp_root is not None and not isinstance(fsdp_root, nn.Module):
+            raise TypeError(f"fsdp_root must be a torch.nn.Module or None, got {type(fsdp_root).__name__}")
         validate_settings(
             every_n_steps=every_n_steps,
             projections=projections,
@@ -172,6 +181,9 @@ class HDITracker:
         self.activation_detector = activation_detector
         self.on_saturation = on_saturation
         self.strict = bool(strict)
+        if fsdp_root is None and is_fsdp1_module(model):
+            fsdp_root = model
+        self.fsdp_root: nn.Module | None = fsdp_root
 
         self.history: list[dict[str, float]] = []
         self.events: list[DiversityEvent] = []
@@ -230,7 +242,9 @@ class HDITracker:
         self._pending = None  # an unfinished earlier measurement (e.g. after an exception) is dropped
         with self._guard("measuring weights"):
             layers = self.layers
-            report = compute_report(layers, projections=self.projections, weighting=self.weighting)
+            report = compute_report(
+                layers, projections=self.projections, weighting=self.weighting, fsdp_root=self.fsdp_root
+            )
             accs: list[HeadCovarianceAccumulator | None] = [None] * len(layers)
             if self.activations:
                 accs = [HeadCovarianceAccumulator(la.num_heads, la.head_dim, max_tokens=self.max_tokens) for la in layers]
@@ -387,7 +401,8 @@ class HDITracker:
                 self.last_token_counts.append(acc.num_tokens)
                 if acc.num_tokens < 2:
                     continue
-                result = acc.compute(layer.head_weights("output"))
+                with full_weights(layer, self.fsdp_root):  # the W_O of the forward pass, one layer at a time
+                    result = acc.compute(layer.head_weights("output"))
                 entry.covariance = result.covariance.cpu()
                 entry.correlation = result.correlation.cpu()
                 entry.effective_heads = result.effective_heads
@@ -501,26 +516,44 @@ class HDITracker:
                     images[f"overlap/{projection}/{layer.name}"] = heatmap(overlap, vmin=0.0, vmax=1.0)
             if layer.correlation is not None and layer.correlation.shape[-1] >= 2:
                 images[f"correlation/{layer.name}"] = heatmap(layer.correlation, vmin=-1.0, vmax=1.0, cmap="RdBu_r")
-        histograms = {f"principal_angles_deg/{p}": self._angles(p) for p in self.projections}
+        histograms = {f"principal_angles_deg/{p}": angles for p, angles in self._angles().items()}
         return images, histograms
 
-    def _angles(self, projection: str) -> Tensor:
-        """Principal angles (degrees) of every head pair i < j of every layer, batched per shape."""
-        groups: dict[tuple, list[Tensor]] = {}
-        for layer in self.layers:
-            w = layer.head_weights(projection)
-            if w.shape[0] >= 2:
-                groups.setdefault((tuple(w.shape), w.dtype, w.device), []).append(w)
-        values = []
-        for weights in groups.values():
+    def _angles(self) -> dict[str, Tensor]:
+        """Principal angles (degrees) of every head pair i < j of every layer, per projection;
+        batched over the layers of one shape.
+
+        Sharded layers (FSDP1 / FSDP2) are gathered once for all projections and reduced one layer
+        at a time, in the same order on every rank."""
+
+        def pair_angles(weights: list[Tensor]) -> Tensor:
             angles = pairwise_principal_angles(torch.stack(weights))  # (L, H, H, d)
             h = angles.shape[1]
             i, j = torch.triu_indices(h, h, offset=1, device=angles.device)
             picked = angles[:, i, j].flatten()
-            values.append(picked[~torch.isnan(picked)])
-        if not values:
-            return torch.empty(0)
-        return torch.rad2deg(torch.cat([v.cpu() for v in values])).float()
+            return picked[~torch.isnan(picked)]
+
+        values: dict[str, list[Tensor]] = {p: [] for p in self.projections}
+        groups: dict[tuple, list[Tensor]] = {}
+        for layer in self.layers:
+            if gathers_weights(layer, self.fsdp_root):
+                with full_weights(layer, self.fsdp_root):
+                    for projection in self.projections:
+                        w = layer.head_weights(projection)
+                        if w.shape[0] >= 2:
+                            values[projection].append(pair_angles([w]))
+                        del w
+                continue
+            for projection in self.projections:
+                w = layer.head_weights(projection)
+                if w.shape[0] >= 2:
+                    groups.setdefault((projection, tuple(w.shape), w.dtype, w.device), []).append(w)
+        for key, weights in groups.items():
+            values[key[0]].append(pair_angles(weights))
+        return {
+            p: torch.rad2deg(torch.cat([v.cpu() for v in vs])).float() if vs else torch.empty(0)
+            for p, vs in values.items()
+        }
 
     def _write(self, m: Measurement, images: dict[str, Tensor], histograms: dict[str, Tensor]) -> None:
         if not self.sinks:

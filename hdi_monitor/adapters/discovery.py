@@ -16,7 +16,10 @@ from hdi_monitor.adapters.base import (
     registered_adapters,
 )
 
-__all__ = ["find_attention_layers"]
+__all__ = ["find_attention_layers", "unwrapped_name"]
+
+#: Name segments that wrappers insert (FSDP1, activation checkpointing); reported names leave them out.
+_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 _SPEC_EXAMPLE = (
     "    spec = AttentionSpec(modules=r\"blocks\\.\\d+\\.attn\", query=\"wq\", key=\"wk\", value=\"wv\",\n"
@@ -27,6 +30,13 @@ _SPEC_EXAMPLE = (
 
 def _display(name: str) -> str:
     return name if name else "<root>"
+
+
+def unwrapped_name(name: str) -> str:
+    """``name`` without the segments FSDP1 and activation-checkpoint wrappers insert, so a layer is
+    reported under the same name with and without them
+    (``layers.0._fsdp_wrapped_module.self_attn`` -> ``layers.0.self_attn``)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
 
 
 def find_attention_layers(
@@ -44,10 +54,13 @@ def find_attention_layers(
             exact qualified names.
 
     Returns:
-        One :class:`AttentionLayer` per attention module. A matched module's descendants are not
-        searched, so an ``nn.MultiheadAttention`` inside an ``nn.TransformerEncoderLayer`` or a
-        ``BertSelfAttention`` inside a ``BertAttention`` is reported once. Layers whose parameters
-        are on the meta device or uninitialised (lazy) are skipped with a warning.
+        One :class:`AttentionLayer` per attention module, named as in ``model.named_modules()``
+        without wrapper segments (``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``; see
+        :func:`unwrapped_name`); ``spec`` regexes and ``layers`` see these names too. A matched
+        module's descendants are not searched, so an ``nn.MultiheadAttention`` inside an
+        ``nn.TransformerEncoderLayer`` or a ``BertSelfAttention`` inside a ``BertAttention`` is
+        reported once. Layers whose parameters are on the meta device or uninitialised (lazy) are
+        skipped with a warning.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``spec``/``layers`` has the wrong type.
@@ -61,10 +74,11 @@ def find_attention_layers(
     found: list[AttentionLayer] = []
     skipped: list[str] = []
     inside: str | None = None  # qualified name of the last matched module (pre-order traversal)
-    for name, module in model.named_modules():
-        if inside is not None and (inside == "" or name.startswith(inside + ".")):
+    for raw_name, module in model.named_modules():
+        if inside is not None and (inside == "" or raw_name.startswith(inside + ".")):
             continue
         inside = None
+        name = unwrapped_name(raw_name)
         if spec is not None:
             if not spec.matches(name, module):
                 continue
@@ -76,7 +90,7 @@ def find_attention_layers(
                 continue
             build = adapter.build
             family = adapter.family
-        inside = name
+        inside = raw_name
         not_ready = _parameters_not_ready(module)
         if not_ready:
             warnings.warn(
