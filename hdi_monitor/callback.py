@@ -239,5 +239,11 @@ class HDIMonitor(Callback):
         return dict(self._restored or {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Lightning restores callback state after `setup`; it is applied in `on_fit_start`.
-        self._restored = dict(state_dict)
+        # Usually called after `setup` and before `on_fit_start` (applied there, once every other
+        # restore step is done); strategies that restore after setup (FSDP, ModelParallel,
+        # DeepSpeed) call it after `on_fit_start`, when the tracker exists: load it directly then.
+        if self.tracker is not None:
+            self.tracker.load_state_dict(state_dict)
+            self._restored = None
+        else:
+            self._restored = dict(state_dict)

@@ -9,7 +9,8 @@ is a dict holding the layer's ``mask_key`` with a matching shape.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 from hdi_monitor.adapters import AttentionLayer
 from hdi_monitor.covariance import HeadCovarianceAccumulator
 
-__all__ = ["attach_output_hooks", "call_model", "iter_batches", "batch_mask"]
+__all__ = ["attach_output_hooks", "call_model", "iter_batches", "batch_mask", "eval_mode"]
 
 
 def batch_mask(batch: Any, key: str | None) -> Tensor | None:
@@ -79,3 +80,15 @@ def iter_batches(inputs: Any) -> Iterable[Any]:
     if isinstance(inputs, Iterable):
         return inputs
     raise TypeError(f"inputs must be a batch (tensor, dict, tuple) or an iterable of batches, got {type(inputs).__name__}")
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Put every module of ``model`` in eval mode (no dropout) and restore each one's flag after."""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode

@@ -314,7 +314,7 @@ def _add_activation_stats(
     fsdp_root: nn.Module | None = None,
 ) -> None:
     """Run ``inputs`` through ``model`` with output hooks feeding one accumulator per layer."""
-    from hdi_monitor.capture import attach_output_hooks, call_model, iter_batches
+    from hdi_monitor.capture import attach_output_hooks, call_model, iter_batches, eval_mode
     from hdi_monitor.covariance import HeadCovarianceAccumulator
 
     accs = [
@@ -327,10 +327,8 @@ def _add_activation_stats(
         )
         for lay in layers
     ]
-    modes = {m: m.training for m in model.modules()}
     seen = 0
-    try:
-        model.eval()
+    with eval_mode(model):
         for batch in iter_batches(inputs):
             handles = attach_output_hooks(layers, accs, batch)
             try:
@@ -339,9 +337,6 @@ def _add_activation_stats(
                 for h in handles:
                     h.remove()
             seen += 1
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
     if seen == 0:
         raise ValueError("inputs held no batch")
     for lay, acc, res in zip(layers, accs, results):

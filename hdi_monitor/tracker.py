@@ -43,7 +43,8 @@ import torch
 from torch import Tensor, nn
 
 from hdi_monitor.adapters import PROJECTIONS, AttentionLayer, AttentionSpec, find_attention_layers
-from hdi_monitor.capture import attach_output_hooks, call_model, iter_batches
+from hdi_monitor._numerics import no_autocast
+from hdi_monitor.capture import attach_output_hooks, call_model, eval_mode, iter_batches
 from hdi_monitor.covariance import HeadCovarianceAccumulator
 from hdi_monitor.diversity import WEIGHTINGS, pairwise_principal_angles
 from hdi_monitor.render import heatmap
@@ -222,7 +223,11 @@ class HDITracker:
         Measures the weights now, before the optimizer step, and attaches head-output hooks when
         ``activations`` is on. Returns True if step ``step`` is being measured.
         """
-        if self._pending is not None and self._pending.step == step:
+        if self._scheduled == step:
+            # a further micro-batch of the step under way; a step whose measurement failed (a hook
+            # error, say) is never restarted: it stays skipped until finish()
+            if self._pending is None:
+                return False
             with self._guard("capturing head outputs"):
                 self._attach(batch)
             return True
@@ -240,7 +245,7 @@ class HDITracker:
     def _start(self, step: int, batch: Any) -> bool:
         self.stop_capture()
         self._pending = None  # an unfinished earlier measurement (e.g. after an exception) is dropped
-        with self._guard("measuring weights"):
+        with self._guard("measuring weights"), no_autocast():
             layers = self.layers
             report = compute_report(
                 layers, projections=self.projections, weighting=self.weighting, fsdp_root=self.fsdp_root
@@ -267,14 +272,26 @@ class HDITracker:
         then, with activations, every accumulator is summed over the ranks.
         """
         self.stop_capture()
+        if not self.measuring:
+            return None  # not a measured step: no collective, no host sync
         pending, self._pending = self._pending, None
         self._scheduled = None
         if not _all_ranks_agree(pending is not None):
             # some rank failed earlier in this measurement: every rank drops it, so none waits
             # in a collective that the others never reach
             return None
-        with self._guard("computing the measurement"):
-            return self._finish(pending)
+        # Phase 1 runs every collective (accumulator sums, FSDP gathers) in the same order on every
+        # rank; a local failure is recorded, not raised, so the ranks stay in step. Then the ranks
+        # agree, and phase 2 (scalars, detector, sinks: no collective) runs only if all succeeded.
+        errors: list[Exception] = []
+        with no_autocast():
+            self._gather_statistics(pending, errors)
+            pictures = self._pictures(pending, errors)
+        if not _all_ranks_agree(not errors):
+            self._skip(errors[0] if errors else None, "computing the measurement")
+            return None
+        with self._guard("writing the measurement"):
+            return self._publish(pending, pictures)
         return None
 
     @contextlib.contextmanager
@@ -297,7 +314,7 @@ class HDITracker:
         Called after ``optimizer.step()`` instead, the HDI points are still right (weights are read
         in :meth:`capture`), but the effective heads mix the new ``W_O`` with the old head outputs.
         """
-        if self._pending is None or self._pending.step != self._step:
+        if self._scheduled != self._step:
             self.begin(self._step)  # weights-only measurement when capture() was not used
             if self._pending is not None:
                 self._pending.forward_expected = False
@@ -309,10 +326,10 @@ class HDITracker:
         """Measure now, whatever the schedule; with ``inputs`` (a batch or an iterable of batches)
         and ``activations`` on, run them through the model to collect head-output statistics."""
         step = self._step if step is None else step
-        if not self._start(step, None):
-            return None
-        if inputs is not None and self.activations:
-            with self._guard("running inputs through the model"), torch.no_grad():
+        self._scheduled = step
+        if self._start(step, None) and inputs is not None and self.activations:
+            # like head_diversity(inputs=...): eval mode (no dropout), restored afterwards
+            with self._guard("running inputs through the model"), torch.no_grad(), eval_mode(self.model):
                 for batch in iter_batches(inputs):
                     self.stop_capture()
                     self._attach(batch)
@@ -346,7 +363,7 @@ class HDITracker:
         self.history = [dict(h) for h in state.get("history", [])]
         self._last_step = int(state.get("last_step", -1))
         self._step = int(state.get("step", 0))
-        self.events = [DiversityEvent(**e) for e in state.get("events", [])]
+        self.events = [DiversityEvent.from_dict(e) for e in state.get("events", [])]
         if self.detector is not None and state.get("detector") is not None:
             self.detector.load_state_dict(state["detector"])
         if self.activation_detector is not None and state.get("activation_detector") is not None:
@@ -390,45 +407,67 @@ class HDITracker:
             stacklevel=2,
         )
 
-    def _finish(self, pending: _Pending) -> Measurement:
-        report, step = pending.report, pending.step
+    def _gather_statistics(self, pending: _Pending, errors: list[Exception]) -> None:
+        """Sum the accumulators over the ranks, then compute each layer's head-output statistics."""
         self.last_token_counts = []
-        if self.activations:
-            for layer, acc, entry in zip(self.layers, pending.accumulators, report.layers):
-                if acc is None:
-                    continue
-                acc.sync()
-                self.last_token_counts.append(acc.num_tokens)
-                if acc.num_tokens < 2:
-                    continue
-                with full_weights(layer, self.fsdp_root):  # the W_O of the forward pass, one layer at a time
-                    result = acc.compute(layer.head_weights("output"))
-                entry.covariance = result.covariance.cpu()
-                entry.correlation = result.correlation.cpu()
-                entry.effective_heads = result.effective_heads
-                entry.mean_correlation = result.mean_correlation
-                entry.variance_ratio = result.variance_ratio
-                entry.num_tokens = result.num_tokens
-            # token counts are all-rank totals here, so every rank takes the same decision
-            if pending.forward_expected and 0 in self.last_token_counts and _is_compiled(self.model):
-                self._compile_fallback()
+        if not self.activations:
+            return
+        accs = [(layer, acc, entry) for layer, acc, entry in zip(self.layers, pending.accumulators, pending.report.layers) if acc is not None]
+        for _, acc, _ in accs:
+            acc.sync()  # collectives first, all of them
+        self.last_token_counts = [acc.num_tokens for _, acc, _ in accs]
+        for layer, acc, entry in accs:
+            with full_weights(layer, self.fsdp_root):  # the W_O of the forward pass, one layer at a time
+                w_out = layer.head_weights("output")  # a gather under FSDP2: on every rank
+                result = None
+                if not errors and acc.num_tokens >= 2:
+                    try:
+                        result = acc.compute(w_out)
+                    except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
+                        errors.append(err)
+                del w_out  # free the gathered weight before the next layer's
+            if result is None:
+                continue
+            entry.covariance = result.covariance.cpu()
+            entry.correlation = result.correlation.cpu()
+            entry.effective_heads = result.effective_heads
+            entry.mean_correlation = result.mean_correlation
+            entry.variance_ratio = result.variance_ratio
+            entry.num_tokens = result.num_tokens
+        # token counts are all-rank totals here, so every rank takes the same decision
+        if pending.forward_expected and 0 in self.last_token_counts and _is_compiled(self.model):
+            self._compile_fallback()
 
+    def _publish(self, pending: _Pending, pictures: tuple[dict[str, Tensor], dict[str, Tensor]]) -> Measurement:
+        """Scalars, early warnings, sinks and history for a finished measurement (rank-local)."""
+        report, step = pending.report, pending.step
         scalars = self._scalars(report)
         events = self._detect(step, report)
         for event in events:
             scalars[f"diversity_events/{event.kind}"] = scalars.get(f"diversity_events/{event.kind}", 0.0) + 1.0
         measurement = Measurement(step=step, report=report, scalars=scalars, events=events)
-
-        images, histograms = {}, {}
-        if self.log_images_every_n_steps and step % self.log_images_every_n_steps == 0:
-            images, histograms = self._pictures(report)
-        self._write(measurement, images, histograms)
+        self._write(measurement, *pictures)
         self.history.append({"step": float(step), **scalars})
         self.events.extend(events)
         self.last_measurement = measurement
         self._last_step = max(self._last_step, step)
         self._dispatch(events)
         return measurement
+
+    def _skip(self, err: Exception | None, what: str) -> None:
+        """Drop a measurement that failed on this rank (``err``: warn, or raise when strict) or on
+        another rank (None: that rank warns; this one drops it quietly, as when ``begin`` failed)."""
+        if err is None:
+            return
+        if self.strict:
+            raise err
+        reason = f"{type(err).__name__}: {err}"
+        warnings.warn(
+            f"hdi-monitor: error while {what}; training goes on, this measurement is skipped ({reason}). "
+            "Pass strict=True to raise instead.",
+            MonitoringWarning,
+            stacklevel=3,
+        )
 
     def _compile_fallback(self) -> None:
         """Hooks did not run inside a torch.compile'd forward: warn once, go on with weights only."""
@@ -508,38 +547,54 @@ class HDITracker:
                 )
         return events
 
-    def _pictures(self, report: DiversityReport) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    def _pictures(self, pending: _Pending, errors: list[Exception]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Heatmaps and angle histograms, on image steps only."""
+        step, report = pending.step, pending.report
+        if not self.log_images_every_n_steps or step % self.log_images_every_n_steps:
+            return {}, {}
+        histograms = {f"principal_angles_deg/{p}": angles for p, angles in self._angles(errors).items()}
         images: dict[str, Tensor] = {}
-        for layer in report.layers:
-            for projection, overlap in layer.overlap.items():
-                if overlap.shape[-1] >= 2:
-                    images[f"overlap/{projection}/{layer.name}"] = heatmap(overlap, vmin=0.0, vmax=1.0)
-            if layer.correlation is not None and layer.correlation.shape[-1] >= 2:
-                images[f"correlation/{layer.name}"] = heatmap(layer.correlation, vmin=-1.0, vmax=1.0, cmap="RdBu_r")
-        histograms = {f"principal_angles_deg/{p}": angles for p, angles in self._angles().items()}
+        if errors:
+            return images, histograms
+        try:
+            for layer in report.layers:
+                for projection, overlap in layer.overlap.items():
+                    if overlap.shape[-1] >= 2:
+                        images[f"overlap/{projection}/{layer.name}"] = heatmap(overlap, vmin=0.0, vmax=1.0)
+                if layer.correlation is not None and layer.correlation.shape[-1] >= 2:
+                    images[f"correlation/{layer.name}"] = heatmap(layer.correlation, vmin=-1.0, vmax=1.0, cmap="RdBu_r")
+        except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
+            errors.append(err)
         return images, histograms
 
-    def _angles(self) -> dict[str, Tensor]:
+    def _angles(self, errors: list[Exception]) -> dict[str, Tensor]:
         """Principal angles (degrees) of every head pair i < j of every layer, per projection;
         batched over the layers of one shape.
 
         Sharded layers (FSDP1 / FSDP2) are gathered once for all projections and reduced one layer
-        at a time, in the same order on every rank."""
+        at a time, in the same order on every rank. Local failures go to ``errors`` (the gathers
+        still run, so the ranks stay in step)."""
 
-        def pair_angles(weights: list[Tensor]) -> Tensor:
-            angles = pairwise_principal_angles(torch.stack(weights))  # (L, H, H, d)
-            h = angles.shape[1]
-            i, j = torch.triu_indices(h, h, offset=1, device=angles.device)
-            picked = angles[:, i, j].flatten()
-            return picked[~torch.isnan(picked)]
+        def pair_angles(weights: list[Tensor]) -> Tensor | None:
+            if errors:
+                return None
+            try:
+                angles = pairwise_principal_angles(torch.stack(weights))  # (L, H, H, d)
+                h = angles.shape[1]
+                i, j = torch.triu_indices(h, h, offset=1, device=angles.device)
+                picked = angles[:, i, j].flatten()
+                return torch.rad2deg(picked[~torch.isnan(picked)]).float().cpu()
+            except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
+                errors.append(err)
+                return None
 
-        values: dict[str, list[Tensor]] = {p: [] for p in self.projections}
+        values: dict[str, list[Tensor | None]] = {p: [] for p in self.projections}
         groups: dict[tuple, list[Tensor]] = {}
         for layer in self.layers:
             if gathers_weights(layer, self.fsdp_root):
                 with full_weights(layer, self.fsdp_root):
                     for projection in self.projections:
-                        w = layer.head_weights(projection)
+                        w = layer.head_weights(projection)  # a gather: on every rank
                         if w.shape[0] >= 2:
                             values[projection].append(pair_angles([w]))
                         del w
@@ -550,10 +605,7 @@ class HDITracker:
                     groups.setdefault((projection, tuple(w.shape), w.dtype, w.device), []).append(w)
         for key, weights in groups.items():
             values[key[0]].append(pair_angles(weights))
-        return {
-            p: torch.rad2deg(torch.cat([v.cpu() for v in vs])).float() if vs else torch.empty(0)
-            for p, vs in values.items()
-        }
+        return {p: torch.cat([v for v in vs if v is not None] or [torch.empty(0)]) for p, vs in values.items()}
 
     def _write(self, m: Measurement, images: dict[str, Tensor], histograms: dict[str, Tensor]) -> None:
         if not self.sinks:

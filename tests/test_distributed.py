@@ -210,7 +210,7 @@ def test_fsdp2_gathers_one_layer_at_a_time(runs):
         )
 
 
-@pytest.mark.parametrize("where", ["report", "hook"])
+@pytest.mark.parametrize("where", ["report", "hook", "compute"])
 def test_failure_on_one_rank_does_not_hang(where, tmp_path):
     """Monitoring raises on rank 1 at step 2 only (while measuring the weights, or inside the
     head-output hook during the forward pass): both ranks warn-or-continue, drop that measurement,

@@ -56,14 +56,17 @@ ErrorHandler = Callable[[Exception], None]
 
 
 def guarded(pre_hook: Callable[..., None], on_error: ErrorHandler | None) -> Callable[..., None]:
-    """``pre_hook`` with its exceptions passed to ``on_error`` (re-raised when ``on_error`` is None)."""
-    if on_error is None:
-        return pre_hook
+    """``pre_hook`` run with autocast off (measurements stay in float32/float64 under the caller's
+    ``torch.autocast``), its exceptions passed to ``on_error`` (re-raised when ``on_error`` is None)."""
+    from hdi_monitor._numerics import no_autocast
 
     def run(*args: Any, **kwargs: Any) -> None:
         try:
-            pre_hook(*args, **kwargs)
+            with no_autocast():
+                pre_hook(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - monitoring must not break the forward pass
+            if on_error is None:
+                raise
             on_error(err)
 
     return run

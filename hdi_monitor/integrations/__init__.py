@@ -6,8 +6,9 @@
       for batch in loader:
           with tracker.capture(batch):          # head outputs of this forward pass, if measured
               loss = loss_fn(model(batch))
-          loss.backward(); optimizer.step(); optimizer.zero_grad()
-          tracker.step()                        # after optimizer.step(): finish, advance the step
+          loss.backward()
+          tracker.step()                        # before optimizer.step(): finish, advance the step
+          optimizer.step(); optimizer.zero_grad()
 
 * Hugging Face ``Trainer``: :class:`~hdi_monitor.integrations.hf_trainer.HDITrainerCallback`
   (needs ``transformers``; imported on first use, so this package imports without it).

@@ -25,7 +25,7 @@ Outputs under ``--out``:
   HDIs of the step's report.
 
 Fault injection (tests of "a failure on one rank must not hang the others"): ``--fail-rank R
---fail-step S --fail-where report|hook`` makes monitoring raise on rank R at step S, either while
+--fail-step S --fail-where report|hook|compute`` makes monitoring raise on rank R at step S, either while
 the weights are measured (``compute_report``) or inside the head-output hook during the forward
 pass. ``--pg-timeout`` bounds every collective, so a desynchronised run errors out instead of
 hanging.
@@ -105,9 +105,11 @@ def _fault_due(where: str) -> bool:
 def _install_faults() -> None:
     """Wrap the monitor's weight measurement and head-output hook so they raise when due."""
     import hdi_monitor.capture as capture
+    import hdi_monitor.covariance as covariance
     import hdi_monitor.tracker as tracker
 
     real_report, real_output = tracker.compute_report, capture._on_output
+    real_compute = covariance.HeadCovarianceAccumulator.compute
 
     def compute_report(*args: Any, **kwargs: Any):
         if _fault_due("report"):
@@ -119,8 +121,14 @@ def _install_faults() -> None:
             raise RuntimeError(f"injected failure in the head-output hook on rank {_FAULT['me']}")
         real_output(*args, **kwargs)
 
+    def compute(self, *args: Any, **kwargs: Any):
+        if _fault_due("compute"):
+            raise RuntimeError(f"injected failure in the covariance computation on rank {_FAULT['me']}")
+        return real_compute(self, *args, **kwargs)
+
     tracker.compute_report = compute_report
     capture._on_output = on_output
+    covariance.HeadCovarianceAccumulator.compute = compute
 
 
 def _fault_clock():
@@ -318,7 +326,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-seed", type=int, default=1, help="data seed")
     p.add_argument("--fail-rank", type=int, default=None, help="inject a monitoring failure on this rank")
     p.add_argument("--fail-step", type=int, default=0, help="... at this optimizer step")
-    p.add_argument("--fail-where", choices=("report", "hook"), default="report", help="... in this place")
+    p.add_argument("--fail-where", choices=("report", "hook", "compute"), default="report", help="... in this place")
     p.add_argument("--pg-timeout", type=float, default=60.0, help="collective timeout in seconds")
     args = p.parse_args(argv)
     if args.global_batch % WORLD_SIZE:
