@@ -25,7 +25,7 @@ from hdi_monitor.adapters import PROJECTIONS, AttentionSpec
 from hdi_monitor.saturation import DiversityEvent
 from hdi_monitor.sharding import contains_fsdp1
 from hdi_monitor.sinks import LoggerSink, Sink, TensorBoardSink
-from hdi_monitor.tracker import HDITracker, Measurement, make_detectors, validate_settings
+from hdi_monitor.tracker import HDITracker, Measurement, tracker_settings
 
 __all__ = ["HDIMonitor"]
 
@@ -86,34 +86,29 @@ class HDIMonitor(Callback):
         state_key: str | None = None,
     ) -> None:
         super().__init__()
-        validate_settings(
+        if state_key is not None and not isinstance(state_key, str):
+            raise TypeError(f"state_key must be a string, got {type(state_key).__name__}")
+        self.settings = tracker_settings(
             every_n_steps=every_n_steps,
             projections=projections,
             weighting=weighting,
+            layers=layers,
+            spec=spec,
             log_images_every_n_steps=log_images_every_n_steps,
-            max_tokens=max_tokens,
-            on_saturation=on_saturation,
-        )
-        self.detector, self.activation_detector = make_detectors(
-            early_warning=early_warning,
             activations=activations,
+            max_tokens=max_tokens,
+            early_warning=early_warning,
             patience=patience,
             min_delta=min_delta,
             warmup_steps=warmup_steps,
             mode=mode,
             collapse_delta=collapse_delta,
             redundancy_threshold=redundancy_threshold,
+            on_saturation=on_saturation,
+            strict=strict,
         )
-        if state_key is not None and not isinstance(state_key, str):
-            raise TypeError(f"state_key must be a string, got {type(state_key).__name__}")
         self.every_n_steps = every_n_steps
-        self.projections = tuple(projections)
-        self.weighting = weighting
-        self.layers = layers
-        self.spec = spec
-        self.log_images_every_n_steps = log_images_every_n_steps
-        self.activations = activations
-        self.max_tokens = max_tokens
+        self.projections = self.settings["projections"]
         self.on_saturation = on_saturation
         self.strict = strict
         self._state_key = state_key
@@ -151,22 +146,7 @@ class HDIMonitor(Callback):
                 "HDIMonitor: the Trainer has no logger; measurements are kept in `HDIMonitor.history` only. "
                 "Pass `logger=TensorBoardLogger(...)` to get the dashboards."
             )
-        self.tracker = HDITracker(
-            pl_module,
-            every_n_steps=self.every_n_steps,
-            projections=self.projections,
-            weighting=self.weighting,
-            layers=self.layers,
-            spec=self.spec,
-            log_images_every_n_steps=self.log_images_every_n_steps,
-            activations=self.activations,
-            max_tokens=self.max_tokens,
-            sinks=sinks,
-            detector=self.detector,
-            activation_detector=self.activation_detector,
-            on_saturation=self.on_saturation,
-            strict=self.strict,
-        )
+        self.tracker = HDITracker(pl_module, sinks=sinks, **self.settings)
         if self._restored is not None:
             self.tracker.load_state_dict(self._restored)
             self._restored = None

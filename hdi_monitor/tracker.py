@@ -58,6 +58,7 @@ __all__ = [
     "Measurement",
     "MonitoringWarning",
     "make_detectors",
+    "tracker_settings",
     "ACTIVATION_MIN_DELTA",
     "ACTIVATION_COLLAPSE_DELTA",
 ]
@@ -89,7 +90,6 @@ class _Pending:
     step: int
     report: DiversityReport
     accumulators: list[HeadCovarianceAccumulator | None]
-    batch_masks: list[Tensor | None] = field(default_factory=list)
     forward_expected: bool = True  # False for weight-only measurements (step() without capture())
 
 
@@ -662,6 +662,65 @@ def make_detectors(
             min_delta=ACTIVATION_MIN_DELTA, collapse_delta=ACTIVATION_COLLAPSE_DELTA, **common
         )
     return detector, activation_detector
+
+
+def tracker_settings(
+    *,
+    every_n_steps: int,
+    projections: Sequence[str],
+    weighting: str,
+    layers: str | Sequence[str] | None,
+    spec: AttentionSpec | None,
+    log_images_every_n_steps: int | None,
+    activations: bool,
+    max_tokens: int | None,
+    early_warning: bool,
+    patience: int,
+    min_delta: float,
+    warmup_steps: int,
+    mode: str,
+    collapse_delta: float,
+    redundancy_threshold: float,
+    on_saturation: EventAction,
+    strict: bool,
+) -> dict[str, Any]:
+    """Validate an integration's settings and turn them into :class:`HDITracker` keyword arguments.
+
+    The Lightning and Hugging Face callbacks call this in ``__init__`` (so bad values fail early)
+    and later build their tracker as ``HDITracker(model, sinks=..., **settings)``.
+    """
+    validate_settings(
+        every_n_steps=every_n_steps,
+        projections=projections,
+        weighting=weighting,
+        log_images_every_n_steps=log_images_every_n_steps,
+        max_tokens=max_tokens,
+        on_saturation=on_saturation,
+    )
+    detector, activation_detector = make_detectors(
+        early_warning=early_warning,
+        activations=activations,
+        patience=patience,
+        min_delta=min_delta,
+        warmup_steps=warmup_steps,
+        mode=mode,
+        collapse_delta=collapse_delta,
+        redundancy_threshold=redundancy_threshold,
+    )
+    return {
+        "every_n_steps": every_n_steps,
+        "projections": tuple(projections),
+        "weighting": weighting,
+        "layers": layers,
+        "spec": spec,
+        "log_images_every_n_steps": log_images_every_n_steps,
+        "activations": bool(activations),
+        "max_tokens": max_tokens,
+        "detector": detector,
+        "activation_detector": activation_detector,
+        "on_saturation": on_saturation,
+        "strict": bool(strict),
+    }
 
 
 def validate_settings(

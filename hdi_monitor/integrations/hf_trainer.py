@@ -49,7 +49,7 @@ from torch import nn
 
 from hdi_monitor.adapters import PROJECTIONS, AttentionSpec
 from hdi_monitor.saturation import DiversityEvent
-from hdi_monitor.tracker import HDITracker, Measurement, make_detectors, validate_settings
+from hdi_monitor.tracker import HDITracker, Measurement, tracker_settings
 
 try:
     from transformers import TrainerCallback
@@ -121,41 +121,36 @@ class HDITrainerCallback(TrainerCallback):
         on_saturation: str | Callable[[DiversityEvent], Any] = "warn",
         strict: bool = False,
     ) -> None:
-        validate_settings(
+        self.settings = tracker_settings(
             every_n_steps=every_n_steps,
             projections=projections,
             weighting=weighting,
+            layers=layers,
+            spec=spec,
             log_images_every_n_steps=log_images_every_n_steps,
-            max_tokens=max_tokens,
-            on_saturation=on_saturation,
-        )
-        if writer is not None and not callable(getattr(writer, "add_scalar", None)):
-            raise TypeError(f"writer must be a torch.utils.tensorboard.SummaryWriter, got {type(writer).__name__}")
-        if writer is not None and log_dir is not None:
-            raise ValueError("give writer or log_dir, not both")
-        self.detector, self.activation_detector = make_detectors(
-            early_warning=early_warning,
             activations=activations,
+            max_tokens=max_tokens,
+            early_warning=early_warning,
             patience=patience,
             min_delta=min_delta,
             warmup_steps=warmup_steps,
             mode=mode,
             collapse_delta=collapse_delta,
             redundancy_threshold=redundancy_threshold,
+            on_saturation=on_saturation,
+            strict=strict,
         )
+        if writer is not None and not callable(getattr(writer, "add_scalar", None)):
+            raise TypeError(f"writer must be a torch.utils.tensorboard.SummaryWriter, got {type(writer).__name__}")
+        if writer is not None and log_dir is not None:
+            raise ValueError("give writer or log_dir, not both")
         self.every_n_steps = every_n_steps
-        self.projections = tuple(projections)
-        self.weighting = weighting
-        self.layers = layers
-        self.spec = spec
-        self.log_images_every_n_steps = log_images_every_n_steps
-        self.activations = bool(activations)
-        self.max_tokens = max_tokens
+        self.activations = self.settings["activations"]
         self.measure_at_start = bool(measure_at_start)
         self.writer = writer
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.on_saturation = on_saturation
-        self.strict = bool(strict)
+        self.strict = self.settings["strict"]
         self.tracker: HDITracker | None = None
         self._own_writer: Any = None
         self._root_handles: list[Any] = []
@@ -183,22 +178,7 @@ class HDITrainerCallback(TrainerCallback):
             from torch.utils.tensorboard import SummaryWriter
 
             self._own_writer = writer = SummaryWriter(log_dir=self.log_dir or _default_log_dir(args))
-        self.tracker = HDITracker(
-            model,
-            every_n_steps=self.every_n_steps,
-            projections=self.projections,
-            weighting=self.weighting,
-            layers=self.layers,
-            spec=self.spec,
-            log_images_every_n_steps=self.log_images_every_n_steps,
-            activations=self.activations,
-            max_tokens=self.max_tokens,
-            writer=writer if state.is_world_process_zero else None,
-            detector=self.detector,
-            activation_detector=self.activation_detector,
-            on_saturation=self.on_saturation,
-            strict=self.strict,
-        )
+        self.tracker = HDITracker(model, writer=writer if state.is_world_process_zero else None, **self.settings)
         try:
             _ = self.tracker.layers  # discover now, so a model without attention layers fails here, once
         except Exception as err:
