@@ -92,3 +92,12 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for m, mode in modes.items():
             m.training = mode
+
+
+def output_accumulator(layer: AttentionLayer, **kwargs: Any) -> HeadCovarianceAccumulator:
+    """A covariance accumulator for ``layer`` that reads the layer's own ``W_O`` in every update
+    (inside the forward pass: the weights that produced the head outputs); ``kwargs`` go to
+    :class:`~hdi_monitor.covariance.HeadCovarianceAccumulator`."""
+    return HeadCovarianceAccumulator(
+        layer.num_heads, layer.head_dim, w_out=partial(layer.head_weights, "output"), model_dim=layer.model_dim, **kwargs
+    )

@@ -315,12 +315,11 @@ def _add_activation_stats(
 ) -> None:
     """Run ``inputs`` through ``model`` with output hooks feeding one accumulator per layer."""
     from hdi_monitor.capture import attach_output_hooks, call_model, iter_batches, eval_mode
-    from hdi_monitor.covariance import HeadCovarianceAccumulator
+    from hdi_monitor.capture import output_accumulator
 
     accs = [
-        HeadCovarianceAccumulator(
-            lay.num_heads,
-            lay.head_dim,
+        output_accumulator(
+            lay,
             max_tokens=max_tokens,
             # a sharded layer's state goes where its first head outputs are (no gather just for a device)
             device=None if gathers_weights(lay, fsdp_root) else lay.head_weights("output").device,
@@ -342,7 +341,7 @@ def _add_activation_stats(
     for lay, acc, res in zip(layers, accs, results):
         try:
             with full_weights(lay, fsdp_root):
-                stats = acc.compute(lay.head_weights("output"))
+                stats = acc.compute()
         except ValueError as exc:
             raise ValueError(f"{lay.name}: no head-output statistics: {exc}") from exc
         res.covariance = stats.covariance.detach().cpu()

@@ -44,8 +44,8 @@ from torch import Tensor, nn
 
 from hdi_monitor.adapters import PROJECTIONS, AttentionLayer, AttentionSpec, find_attention_layers
 from hdi_monitor._numerics import no_autocast
-from hdi_monitor.capture import attach_output_hooks, call_model, eval_mode, iter_batches
-from hdi_monitor.covariance import HeadCovarianceAccumulator
+from hdi_monitor.capture import attach_output_hooks, call_model, eval_mode, iter_batches, output_accumulator
+from hdi_monitor.covariance import HeadCovarianceAccumulator, sync_accumulators
 from hdi_monitor.diversity import WEIGHTINGS, pairwise_principal_angles
 from hdi_monitor.render import heatmap
 from hdi_monitor.report import DiversityReport, compute_report
@@ -252,7 +252,7 @@ class HDITracker:
             )
             accs: list[HeadCovarianceAccumulator | None] = [None] * len(layers)
             if self.activations:
-                accs = [HeadCovarianceAccumulator(la.num_heads, la.head_dim, max_tokens=self.max_tokens) for la in layers]
+                accs = [output_accumulator(la, max_tokens=self.max_tokens) for la in layers]
             self._pending = _Pending(step=step, report=report, accumulators=accs)
             self._attach(batch)
             return True
@@ -413,8 +413,7 @@ class HDITracker:
         if not self.activations:
             return
         accs = [(layer, acc, entry) for layer, acc, entry in zip(self.layers, pending.accumulators, pending.report.layers) if acc is not None]
-        for _, acc, _ in accs:
-            acc.sync()  # collectives first, all of them
+        sync_accumulators([acc for _, acc, _ in accs])  # collectives first: two for all layers
         self.last_token_counts = [acc.num_tokens for _, acc, _ in accs]
         for layer, acc, entry in accs:
             with full_weights(layer, self.fsdp_root):  # the W_O of the forward pass, one layer at a time
@@ -422,7 +421,7 @@ class HDITracker:
                 result = None
                 if not errors and acc.num_tokens >= 2:
                     try:
-                        result = acc.compute(w_out)
+                        result = acc.compute()
                     except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
                         errors.append(err)
                 del w_out  # free the gathered weight before the next layer's

@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from hdi_monitor.covariance import (
     HeadCovarianceAccumulator,
     bias_variance_covariance,
+    compute_results,
     covariance_metrics,
     head_covariance,
     subsample_mask,
@@ -102,10 +103,10 @@ def test_large_mean_keeps_precision(mean_scale):
     """A raw Gram/n - mu mu^T would lose ~ (mean/std)^2 * eps relative precision; Chan's merge does not."""
     gen = torch.Generator().manual_seed(2)
     o, w_out = random_case(gen, n=2000, mean_scale=mean_scale)
-    acc = HeadCovarianceAccumulator(4, 3, chunk_size=300)  # several chunks merged
+    acc = HeadCovarianceAccumulator(4, 3, w_out=w_out, chunk_size=300)  # several chunks merged
     for part in torch.split(o, [700, 1, 999, 300]):
         acc.update(part)
-    assert_close(acc.compute(w_out).covariance, brute_covariance(o.numpy(), w_out.numpy()), rtol=1e-9)
+    assert_close(acc.compute().covariance, brute_covariance(o.numpy(), w_out.numpy()), rtol=1e-9)
 
 
 def test_several_batches_of_varied_shapes_and_dtypes():
@@ -119,13 +120,13 @@ def test_several_batches_of_varied_shapes_and_dtypes():
     batches.append((torch.randn(6, width, generator=gen) + offset).to(torch.bfloat16))
     batches.append((torch.randn(2, 5, 2 * width, generator=gen)[..., ::2] + offset))  # non-contiguous
     w_out = torch.randn(h, dim, d, generator=gen)
-    acc = HeadCovarianceAccumulator(h, d)
+    acc = HeadCovarianceAccumulator(h, d, w_out=w_out)
     for b in batches:
         acc.update(b)
     flat = np.concatenate([b.double().reshape(-1, width).numpy() for b in batches])
     assert acc.num_tokens == flat.shape[0]
     assert acc._sum.dtype == torch.float64
-    assert_close(acc.compute(w_out).covariance, brute_covariance(flat, w_out.double().numpy()), rtol=1e-6)
+    assert_close(acc.compute().covariance, brute_covariance(flat, w_out.double().numpy()), rtol=1e-6)
 
 
 def test_padding_mask_excludes_tokens():
@@ -133,7 +134,7 @@ def test_padding_mask_excludes_tokens():
     h, d, dim = 3, 4, 9
     width = h * d
     w_out = torch.randn(h, dim, d, generator=gen, dtype=torch.float64)
-    acc = HeadCovarianceAccumulator(h, d, chunk_size=7)  # chunks cut across sequences
+    acc = HeadCovarianceAccumulator(h, d, w_out=w_out, chunk_size=7)  # chunks cut across sequences
     kept = []
     for b, t in [(3, 11), (2, 5), (4, 8)]:
         o = torch.randn(b, t, width, generator=gen, dtype=torch.float64) + 20.0
@@ -153,38 +154,38 @@ def test_padding_mask_excludes_tokens():
     acc.update(torch.full((2, 3, width), 7e5, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.bool))
     flat = np.concatenate(kept)
     assert acc.num_tokens == flat.shape[0]
-    assert_close(acc.compute(w_out).covariance, brute_covariance(flat, w_out.numpy()), rtol=1e-6)
+    assert_close(acc.compute().covariance, brute_covariance(flat, w_out.numpy()), rtol=1e-6)
 
 
 def test_merge_of_halves_equals_whole_and_state_round_trip():
     gen = torch.Generator().manual_seed(5)
     o, w_out = random_case(gen, n=400)
-    whole = HeadCovarianceAccumulator(4, 3)
+    whole = HeadCovarianceAccumulator(4, 3, w_out=w_out)
     whole.update(o)
-    a, b = HeadCovarianceAccumulator(4, 3), HeadCovarianceAccumulator(4, 3)
+    a, b = HeadCovarianceAccumulator(4, 3, w_out=w_out), HeadCovarianceAccumulator(4, 3, w_out=w_out)
     a.update(o[:123])
     b.update(o[123:250])
     b.update(o[250:])
     a.merge(b)
-    empty = HeadCovarianceAccumulator(4, 3)
+    empty = HeadCovarianceAccumulator(4, 3, w_out=w_out)
     a.merge(empty)  # merging nothing changes nothing
     assert a.num_tokens == 400 and b.num_tokens == 277
     ref = brute_covariance(o.numpy(), w_out.numpy())
-    assert_close(a.compute(w_out).covariance, ref, rtol=1e-9)
-    assert_close(whole.compute(w_out).covariance, ref, rtol=1e-9)
-    into_empty = HeadCovarianceAccumulator(4, 3)
+    assert_close(a.compute().covariance, ref, rtol=1e-9)
+    assert_close(whole.compute().covariance, ref, rtol=1e-9)
+    into_empty = HeadCovarianceAccumulator(4, 3, w_out=w_out)
     into_empty.merge(whole)
-    assert_close(into_empty.compute(w_out).covariance, ref, rtol=1e-9)
+    assert_close(into_empty.compute().covariance, ref, rtol=1e-9)
 
-    restored = HeadCovarianceAccumulator(4, 3)
+    restored = HeadCovarianceAccumulator(4, 3, w_out=w_out)
     restored.load_state_dict(a.state_dict())
     restored.update(o[:50])  # keeps accumulating from the restored state
     ref2 = brute_covariance(np.concatenate([o.numpy(), o[:50].numpy()]), w_out.numpy())
-    assert_close(restored.compute(w_out).covariance, ref2, rtol=1e-9)
+    assert_close(restored.compute().covariance, ref2, rtol=1e-9)
     a.reset()
     assert a.num_tokens == 0 and a.state_nbytes == 0
     with pytest.raises(ValueError, match="no tokens"):
-        a.compute(w_out)
+        a.compute()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -197,7 +198,7 @@ def test_max_tokens_uses_the_documented_selection():
     o = torch.randn(4, 25, 6, generator=gen, dtype=torch.float64) + 3.0
     mask = torch.rand(4, 25, generator=gen) < 0.7
     w_out = torch.randn(3, 5, 2, generator=gen, dtype=torch.float64)
-    acc = HeadCovarianceAccumulator(3, 2, max_tokens=30, generator=torch.Generator().manual_seed(42))
+    acc = HeadCovarianceAccumulator(3, 2, w_out=w_out, max_tokens=30, generator=torch.Generator().manual_seed(42))
     acc.update(o, mask)
     acc.update(o[:1], mask[:1])  # 25 tokens, fewer kept than max_tokens: all kept ones are used
 
@@ -208,7 +209,7 @@ def test_max_tokens_uses_the_documented_selection():
     assert torch.equal(sel2, mask[:1].reshape(-1))
     flat = torch.cat([o.reshape(-1, 6)[sel1], o[:1].reshape(-1, 6)[sel2]]).numpy()
     assert acc.num_tokens == flat.shape[0]
-    assert_close(acc.compute(w_out).covariance, brute_covariance(flat, w_out.numpy()), rtol=1e-9)
+    assert_close(acc.compute().covariance, brute_covariance(flat, w_out.numpy()), rtol=1e-9)
 
 
 def test_subsample_mask_is_uniform_over_kept_tokens():
@@ -305,36 +306,167 @@ def _peak_extra_bytes(fn) -> int:
     return peak
 
 
+@pytest.mark.parametrize(("h", "d", "dim"), [(4, 8, 24), (12, 64, 768), (3, 5, 2)])
+def test_state_is_h_squared_plus_h_d_numbers(h, d, dim):
+    """State: n, the (H, D) contribution sums and the (H, H) cross sums, 8 bytes each; nothing else."""
+    gen = torch.Generator().manual_seed(11)
+    acc = HeadCovarianceAccumulator(h, d, w_out=torch.randn(h, dim, d, generator=gen))
+    assert acc.state_nbytes == 0
+    acc.update(torch.randn(3, 7, h * d, generator=gen))
+    live = [acc._n, acc._sum, acc._m2]
+    assert sorted(tuple(t.shape) for t in live) == sorted([(), (h, dim), (h, h)])
+    assert all(t.element_size() == 8 for t in live)
+    assert acc.state_nbytes == sum(t.numel() * 8 for t in live) == 8 * (h * h + h * dim + 1)
+    assert HeadCovarianceAccumulator.state_numel(h, dim) == h * h + h * dim + 1
+    acc.update(torch.randn(50, h * d, generator=gen))  # more tokens: the same state
+    assert acc.state_nbytes == 8 * (h * h + h * dim + 1)
+    assert len(acc.state_dict()["sum"].shape) == 2
+
+
+def test_state_of_llm_shapes():
+    """The issue's projections: about 32 MiB for a 7B shape, about 0.3 GiB for a 70B shape (all layers)."""
+    seven_b = 32 * 8 * HeadCovarianceAccumulator.state_numel(32, 4096)
+    seventy_b = 80 * 8 * HeadCovarianceAccumulator.state_numel(64, 8192)
+    assert seven_b == 32 * 8 * (32 * 32 + 32 * 4096 + 1) and 32 << 20 <= seven_b < 33 << 20
+    assert 0.31 * (1 << 30) < seventy_b < 0.32 * (1 << 30)
+
+
 def test_memory_is_flat_in_the_number_of_tokens():
-    h, d, chunk = 4, 8, 256
+    h, d, dim, chunk = 4, 8, 24, 256
     width = h * d
     gen = torch.Generator().manual_seed(12)
+    w_out = torch.randn(h, dim, d, generator=gen)
     small = torch.randn(4, 256, width, generator=gen)
     large = torch.randn(64, 256, width, generator=gen)  # 16x the tokens
     peaks, states = [], []
     for o in (small, large):
-        acc = HeadCovarianceAccumulator(h, d, chunk_size=chunk)
+        acc = HeadCovarianceAccumulator(h, d, w_out=w_out, chunk_size=chunk, matmul_dtype="float32")
         acc.update(o[:1])  # allocate the state outside the measured call
         states.append(acc.state_nbytes)
         peaks.append(_peak_extra_bytes(lambda: acc.update(o)))
-    assert states[0] == states[1] == (width * width + width) * 8 + 8
-    chunk_bytes = chunk * width * 8
-    # Temporaries are a few chunk copies plus (H d)^2 matrices, whatever the token count.
+    assert states[0] == states[1] == (h * h + h * dim + 1) * 8
+    # per chunk: two float64 copies of the head outputs, a float32 one, the float32 contributions
+    chunk_bytes = chunk * (width * (8 + 8 + 4) + h * dim * 4)
     assert peaks[0] > 0
     assert peaks[1] <= peaks[0] * 1.1 + 1024
-    assert peaks[1] < 4 * chunk_bytes + 4 * width * width * 8
+    assert peaks[1] < 2 * chunk_bytes
     assert large.numel() * 8 > 10 * peaks[1]  # a float64 copy of the input would be far bigger
 
 
+def test_default_chunk_is_bounded_by_default_chunk_bytes():
+    """Without chunk_size, the transient memory of update stays near DEFAULT_CHUNK_BYTES."""
+    import hdi_monitor.covariance as cov
+
+    h, d, dim = 4, 8, 64
+    gen = torch.Generator().manual_seed(16)
+    w_out = torch.randn(h, dim, d, generator=gen)
+    o = torch.randn(20000, h * d, generator=gen)
+    old = cov.DEFAULT_CHUNK_BYTES
+    cov.DEFAULT_CHUNK_BYTES = 1 << 20
+    try:
+        acc = HeadCovarianceAccumulator(h, d, w_out=w_out, matmul_dtype="float32")
+        acc.update(o[:1])
+        peak = _peak_extra_bytes(lambda: acc.update(o))
+        acc_ref = HeadCovarianceAccumulator(h, d, w_out=w_out.double())
+        acc_ref.update(o[:1].double())
+        acc_ref.update(o.double())
+    finally:
+        cov.DEFAULT_CHUNK_BYTES = old
+    assert peak < 2 * (1 << 20)
+    ref = acc_ref.compute().covariance  # float32 products against float64 ones: 1e-6 of the largest entry
+    assert_close(acc.compute().covariance, ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+
+
+def test_float32_products_match_brute_force_under_reduced_precision_settings():
+    """float32 head outputs and W_O (float32 chunk products): still 1e-6 against float64 brute force,
+    with TF32/bf16 float32 matmuls allowed globally; the global settings come back unchanged."""
+    gen = torch.Generator().manual_seed(17)
+    o, w_out = random_case(gen, n=3000, mean_scale=30.0)
+    o32, w32 = o.float(), w_out.float()
+    ref = brute_covariance(o32.double().numpy(), w32.double().numpy())
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")  # bf16 on oneDNN CPUs, TF32 on CUDA
+    try:
+        flags = (torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision)
+        acc = HeadCovarianceAccumulator(4, 3, w_out=w32, chunk_size=700, matmul_dtype="float32")
+        for part in torch.split(o32, [1000, 1, 1999]):
+            acc.update(part)
+        after = (torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision)
+        assert after == flags and torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    res = acc.compute()
+    assert_close(res.covariance, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+def test_linear_layout_and_callable_sources_agree():
+    """w_out as (H, D, d), as the nn.Linear weight (D, H d), as a callable, or per update: one result."""
+    gen = torch.Generator().manual_seed(18)
+    o, w_out = random_case(gen, n=200)
+    linear = torch.cat(list(w_out), dim=1)  # (D, H d), written out without einops
+    ref = brute_covariance(o.numpy(), w_out.numpy())
+    sources = [w_out, linear, lambda: linear]
+    for src in sources:
+        acc = HeadCovarianceAccumulator(4, 3, w_out=src)
+        acc.update(o)
+        assert_close(acc.compute().covariance, ref, rtol=1e-9)
+    acc = HeadCovarianceAccumulator(4, 3)
+    acc.update(o[:80], w_out=w_out)
+    acc.update(o[80:], w_out=linear)
+    assert_close(acc.compute().covariance, ref, rtol=1e-9)
+
+
+def test_w_out_read_per_update_is_the_one_that_produced_the_outputs():
+    """W_O changes between batches (an optimizer step): each batch's contributions use its own W_O."""
+    gen = torch.Generator().manual_seed(19)
+    o1, w1 = random_case(gen, n=150)
+    o2, w2 = random_case(gen, n=250)
+    current = {"w": w1}
+    acc = HeadCovarianceAccumulator(4, 3, w_out=lambda: current["w"])
+    acc.update(o1)
+    current["w"] = w2
+    acc.update(o2)
+    current["w"] = torch.zeros_like(w2)  # what compute would see if it read W_O late
+    contrib = [np.stack([o[:, i * 3 : (i + 1) * 3].numpy() @ w[i].numpy().T for i in range(4)], 1) for o, w in ((o1, w1), (o2, w2))]
+    c = np.concatenate(contrib)
+    c = c - c.mean(axis=0)
+    ref = np.einsum("tiD,tjD->ij", c, c) / c.shape[0]
+    assert_close(acc.compute().covariance, ref, rtol=1e-9)
+
+
+def test_compute_results_batches_layers_with_one_transfer():
+    gen = torch.Generator().manual_seed(20)
+    accs, refs = [], []
+    for h, d, dim in [(4, 3, 10), (2, 5, 7), (3, 2, 4)]:
+        w = torch.randn(h, dim, d, generator=gen, dtype=torch.float64)
+        o = torch.randn(60, h * d, generator=gen, dtype=torch.float64)
+        acc = HeadCovarianceAccumulator(h, d, w_out=w)
+        acc.update(o)
+        accs.append(acc)
+        refs.append(brute_covariance(o.numpy(), w.numpy()))
+    empty = HeadCovarianceAccumulator(2, 2, w_out=torch.randn(2, 3, 2))
+    one = HeadCovarianceAccumulator(2, 2, w_out=torch.randn(2, 3, 2))
+    one.update(torch.randn(1, 4))
+    results = compute_results([*accs, empty, one], min_tokens=2)
+    assert results[3] is None and results[4] is None and one.num_tokens == 1 and empty.num_tokens == 0
+    for res, ref in zip(results[:3], refs):
+        assert res.num_tokens == 60 and res.covariance.device.type == "cpu"
+        assert_close(res.covariance, ref, rtol=1e-9)
+        m = brute_metrics(ref)
+        assert res.effective_heads == pytest.approx(m["H_eff"], rel=1e-9)
+        assert res.mean_correlation == pytest.approx(m["mean_corr"], rel=1e-9)
+
+
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_state_stays_on_device_and_memory_is_flat():
-    h, d = 8, 16
+    h, d, dim = 8, 16, 64
     width = h * d
-    w_out = torch.randn(h, 64, d, device="cuda")
+    w_out = torch.randn(h, dim, d, device="cuda")
     peaks = []
     for n in (4096, 65536):
         o = torch.randn(n, width, device="cuda")
-        acc = HeadCovarianceAccumulator(h, d, chunk_size=1024, max_tokens=n - 1)
+        acc = HeadCovarianceAccumulator(h, d, w_out=w_out, chunk_size=1024, max_tokens=n - 1)
         acc.update(o[:2])
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -342,11 +474,31 @@ def test_cuda_state_stays_on_device_and_memory_is_flat():
         acc.update(o)
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - base)
-        assert acc._m2.device.type == "cuda"
-        assert_close(acc.compute(w_out).covariance.cpu(), acc.compute(w_out.cpu()).covariance.cpu(), rtol=1e-12)
-    # Only the O(N) int64 subsampling ranks grow (a few 8-byte numbers per token), not the float64
-    # chunks: an unchunked float64 copy of o would add H d * 8 = 1 KiB per token.
+        assert acc._m2.device.type == "cuda" and acc._sum.device.type == "cuda"
+        keep = subsample_mask(torch.ones(n, dtype=torch.bool), n - 1, None)  # only for the count
+        cpu = HeadCovarianceAccumulator(h, d, w_out=w_out.cpu().double())
+        cpu.load_state_dict(acc.state_dict())
+        assert int(keep.sum()) + 2 == acc.num_tokens
+        assert_close(acc.compute().covariance, cpu.compute().covariance, rtol=1e-12)
+    # Only the O(N) int64 subsampling ranks grow (a few 8-byte numbers per token), not the chunks.
     assert peaks[1] - peaks[0] <= 64 * (65536 - 4096) + (1 << 20)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_float32_matches_float64_brute_force_with_tf32_allowed():
+    gen = torch.Generator().manual_seed(21)
+    o, w_out = random_case(gen, h=8, d=16, dim=128, n=5000, mean_scale=30.0)
+    ref = brute_covariance(o.float().double().numpy(), w_out.float().double().numpy())
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 allowed for the training
+    try:
+        acc = HeadCovarianceAccumulator(8, 16, w_out=w_out.float().cuda(), chunk_size=999)
+        acc.update(o.float().cuda())
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert_close(acc.compute().covariance, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
 
 
 def test_no_autograd_graph_is_built():
@@ -364,7 +516,7 @@ def test_no_autograd_graph_is_built():
 
 
 def test_bad_inputs_raise_clear_errors():
-    acc = HeadCovarianceAccumulator(2, 3)
+    acc = HeadCovarianceAccumulator(2, 3, w_out=torch.randn(2, 5, 3))
     with pytest.raises(ValueError, match=r"\(\.\.\., 6\)"):
         acc.update(torch.randn(4, 5))
     with pytest.raises(TypeError, match="floating"):
@@ -374,12 +526,26 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="broadcast"):
         acc.update(torch.randn(2, 4, 6), torch.ones(3, dtype=torch.bool))
     with pytest.raises(ValueError, match="no tokens"):
-        acc.compute(torch.randn(2, 5, 3))
+        acc.compute()
     acc.update(torch.randn(4, 6))
+    with pytest.raises(TypeError, match="takes no W_O"):
+        acc.compute(torch.randn(2, 5, 3))
+    with pytest.raises(ValueError, match="D=5"):
+        acc.update(torch.randn(4, 6), w_out=torch.randn(2, 7, 3))
     with pytest.raises(ValueError, match=r"\(2, D, 3\)"):
-        acc.compute(torch.randn(3, 5, 2))
+        HeadCovarianceAccumulator(2, 3, w_out=torch.randn(3, 5, 2))
+    with pytest.raises(ValueError, match=r"H\*d = 6"):
+        HeadCovarianceAccumulator(2, 3, w_out=torch.randn(5, 7))
     with pytest.raises(ValueError, match=r"\(H, D, d\)"):
-        acc.compute(torch.randn(5, 6))
+        HeadCovarianceAccumulator(2, 3, w_out=torch.randn(6))
+    with pytest.raises(TypeError, match="callable"):
+        HeadCovarianceAccumulator(2, 3, w_out="o_proj")
+    with pytest.raises(ValueError, match="model_dim"):
+        HeadCovarianceAccumulator(2, 3, w_out=torch.randn(2, 5, 3), model_dim=4)
+    with pytest.raises(ValueError, match="no W_O"):
+        HeadCovarianceAccumulator(2, 3).update(torch.randn(4, 6))
+    with pytest.raises(ValueError, match="matmul_dtype"):
+        HeadCovarianceAccumulator(2, 3, matmul_dtype="bfloat16")
     with pytest.raises(ValueError, match="H=3"):
         acc.merge(HeadCovarianceAccumulator(3, 2))
     with pytest.raises(ValueError, match="max_tokens"):
@@ -421,10 +587,10 @@ def test_two_rank_sync_equals_one_rank(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = torch.load(output, weights_only=False)
 
-    one = HeadCovarianceAccumulator(h, d)
+    one = HeadCovarianceAccumulator(h, d, w_out=w_out)
     for o, mask in batches:
         one.update(o, mask)
-    expected = one.compute(w_out)
+    expected = one.compute()
     flat = np.concatenate([(o[m] if m is not None else o).reshape(-1, width).numpy() for o, m in batches])
     assert out["num_tokens"] == expected.num_tokens == flat.shape[0]
     assert sum(out["local_tokens"]) == flat.shape[0] and min(out["local_tokens"]) > 0

@@ -38,16 +38,16 @@ def _worker(rank: int, port: int, inputs_path: str, output_path: str) -> None:
         data = torch.load(inputs_path, weights_only=False)
         h, d, w_out = data["num_heads"], data["head_dim"], data["w_out"]
 
-        acc = HeadCovarianceAccumulator(h, d)
+        acc = HeadCovarianceAccumulator(h, d, w_out=w_out)
         for (o, keep), owner in zip(data["batches"], data["assignment"]):
             if owner == rank:
                 acc.update(o, keep)
         local_tokens = acc.num_tokens
         acc.sync()
-        result = acc.compute(w_out)
+        result = acc.compute()
         tokens_after_first = acc.num_tokens
         acc.sync()  # repeated sync must not count the other rank twice
-        repeat_equal = bool(torch.equal(acc.compute(w_out).covariance, result.covariance))
+        repeat_equal = bool(torch.equal(acc.compute().covariance, result.covariance))
         try:
             acc.update(data["batches"][0][0])
             update_after_sync_raised = False
@@ -55,12 +55,12 @@ def _worker(rank: int, port: int, inputs_path: str, output_path: str) -> None:
             update_after_sync_raised = True
 
         # Rank 1 sees nothing: its lazily created zero state must still take part.
-        lonely = HeadCovarianceAccumulator(h, d)
+        lonely = HeadCovarianceAccumulator(h, d, w_out=w_out)
         if rank == 0:
             for o, keep in data["batches"]:
                 lonely.update(o, keep)
         lonely.sync()
-        lonely_result = lonely.compute(w_out)
+        lonely_result = lonely.compute()
 
         gathered = [None] * WORLD_SIZE
         dist.all_gather_object(gathered, local_tokens)
