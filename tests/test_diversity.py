@@ -344,6 +344,62 @@ def test_uniform_overlap_is_mean_cos2_of_scipy_angles(num_heads, dim, width, ran
     np.testing.assert_allclose(got64, ref, atol=1e-10, rtol=0)
 
 
+def _conditioned_head(dim: int, width: int, kappa: float, seed: int, rank: int | None = None) -> torch.Tensor:
+    """A (dim, width) head with singular values from 1 down to 1/kappa (zeros past ``rank``)."""
+    q = torch.linalg.qr(_randn(dim, width, seed=seed))[0]
+    v = torch.linalg.qr(_randn(width, width, seed=seed + 1))[0]
+    s = torch.logspace(0, -math.log10(kappa), width, dtype=torch.float64)
+    if rank is not None:
+        s[rank:] = 0.0
+    return (q * s) @ v
+
+
+def test_uniform_overlap_whitens_well_conditioned_heads_and_factors_only_the_others(monkeypatch):
+    """Well-conditioned heads come from the one Gram matrix (eigh whitening), ill-conditioned and
+    rank-deficient ones from QR; every pair (mixed ones too) equals scipy's mean cos^2."""
+    import hdi_monitor.diversity as dv
+
+    dim, width = 40, 5
+    heads = torch.stack(
+        [
+            _conditioned_head(dim, width, 1.0, seed=1),
+            _conditioned_head(dim, width, 3.0, seed=3),
+            _conditioned_head(dim, width, 1e4, seed=5),  # ill-conditioned: QR
+            _conditioned_head(dim, width, 2.0, seed=7, rank=3),  # rank 3: QR
+            _conditioned_head(dim, width, 5.0, seed=9),
+        ]
+    )
+    heads[4] = 0.6 * heads[0] + 0.4 * heads[4]  # a head sharing much of head 0's subspace
+    bases = [scipy.linalg.orth(h) for h in heads.numpy()]
+    ref = np.array([[np.mean(np.cos(_scipy_angles(bi, bj)) ** 2) for bj in bases] for bi in bases])
+    factored: list[int] = []
+    real_basis = dv.orthonormal_basis
+
+    def counting_basis(x, rtol=None):
+        factored.append(x.shape[0])
+        return real_basis(x, rtol=rtol)
+
+    monkeypatch.setattr(dv, "orthonormal_basis", counting_basis)
+    got64 = subspace_overlap(heads, "uniform").numpy()
+    np.testing.assert_allclose(got64, ref, atol=1e-10, rtol=0)
+    assert factored == [2]  # heads 2 and 3 only
+    factored.clear()
+    got32 = subspace_overlap(heads.float(), "uniform").numpy()
+    well = [0, 1, 4]  # the whitened heads: 1e-6 (float32); pairs with the kappa=1e4 head: eps * kappa
+    np.testing.assert_allclose(got32[np.ix_(well, well)], ref[np.ix_(well, well)], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(got32, ref, atol=2e-5, rtol=0)
+    assert factored == [2]
+    assert got64[3, 0] == pytest.approx(ref[3, 0], abs=1e-10)  # min(r_i, r_j) = 3 for head 3
+
+
+def test_uniform_overlap_of_gpt2_small_heads_matches_scipy_to_1e6():
+    heads = torch.randn(4, 768, 64, generator=torch.Generator().manual_seed(0))  # 4 of its 12 heads
+    got = subspace_overlap(heads, "uniform").double().numpy()
+    bases = [scipy.linalg.orth(h) for h in heads.double().numpy()]
+    ref = np.array([[np.mean(np.cos(_scipy_angles(bi, bj)) ** 2) for bj in bases] for bi in bases])
+    np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("weighting", WEIGHTINGS)
 def test_overlap_batched_over_leading_dims_equals_per_item(weighting, device):
