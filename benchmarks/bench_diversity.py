@@ -6,6 +6,10 @@ All ratios come from one run on the same weights (random Gaussian heads, float32
   float32 matmul, the cost of the Gram matrix it is built on (goal: at most 1.5x);
 * the same HDI against a loop of ``scipy.linalg.subspace_angles`` over the 66 head pairs, which
   then averages cos^2 (goal: at least 100x faster);
+* the uniform HDI (eigh whitening of each head's Gram block, QR only for ill-conditioned heads)
+  against the spectral one on the same layer (goal: at most 2x), with the previous method (QR of
+  every head, then the Gram) beside it, and the largest difference of its overlaps from scipy's
+  mean cos^2 in float64 (goal: at most 1e-6);
 * the exact principal-angle matrices (``pairwise_principal_angles``, float64) against the same
   scipy loop (goal: at least 20x faster);
 * absolute times for a whole 12-layer GPT-2-small shape in one batched call, (12, 12, 768, 64), and
@@ -37,7 +41,13 @@ import scipy
 import scipy.linalg
 import torch
 
-from hdi_monitor.diversity import head_diversity_index, pairwise_principal_angles, subspace_overlap
+from hdi_monitor.diversity import (
+    _cross_sq_norms,
+    head_diversity_index,
+    orthonormal_basis,
+    pairwise_principal_angles,
+    subspace_overlap,
+)
 
 
 def _sync(device: torch.device) -> None:
@@ -80,6 +90,27 @@ def scipy_pairwise_hdi(heads: np.ndarray) -> float:
     h = heads.shape[0]
     angles = [scipy.linalg.subspace_angles(heads[i], heads[j]) for i in range(h) for j in range(i + 1, h)]
     return 1.0 - float(np.mean([np.mean(np.cos(a) ** 2) for a in angles]))
+
+
+def qr_uniform_hdi(heads: torch.Tensor) -> torch.Tensor:
+    """The previous uniform HDI: a QR basis of every head, then the Gram of the stacked bases."""
+    scale = heads.abs().amax(dim=(-2, -1), keepdim=True)
+    u, r = orthonormal_basis(heads / scale)
+    overlap = _cross_sq_norms(u) / torch.minimum(r[..., :, None], r[..., None, :]).clamp_min(1).to(u.dtype)
+    return head_diversity_index(overlap.clamp(0.0, 1.0))
+
+
+def uniform_error_vs_scipy(heads: torch.Tensor) -> float:
+    """Largest |rho_ij - mean cos^2 of scipy's angles| over the pairs (scipy on float64 copies)."""
+    got = subspace_overlap(heads, "uniform").double().cpu().numpy()
+    arr = heads.double().cpu().numpy()
+    h = arr.shape[0]
+    err = 0.0
+    for i in range(h):
+        for j in range(i + 1, h):
+            ref = float(np.mean(np.cos(scipy.linalg.subspace_angles(arr[i], arr[j])) ** 2))
+            err = max(err, abs(got[i, j] - ref))
+    return err
 
 
 def _blas_threads(n: int) -> contextlib.AbstractContextManager:
@@ -144,6 +175,7 @@ def run(device: torch.device, args: argparse.Namespace) -> list[str]:
         "matmul": lambda: mat_a @ mat_b,
         "spectral": lambda: spectral_hdi(layer),
         "uniform": lambda: uniform_hdi(layer),
+        "uniform_qr": lambda: qr_uniform_hdi(layer),
         "pairwise": lambda: pairwise_principal_angles(layer),
         "model_spectral": lambda: spectral_hdi(model),
         "model_uniform": lambda: uniform_hdi(model),
@@ -174,6 +206,15 @@ def run(device: torch.device, args: argparse.Namespace) -> list[str]:
     case = "spectral HDI, GPT-2-small layer (12, 768, 64) fp32"
     lines.append(row(case, "spectral", f"{r:.2f}x matmul", "<= 1.5x", _goal(r, 1.5, True)))
     lines.append(row("uniform HDI, same layer", "uniform", f"{best['uniform'] / best['matmul']:.1f}x matmul"))
+    r = best["uniform"] / best["spectral"]
+    lines.append(row("uniform HDI vs spectral HDI, same layer", "uniform", f"{r:.2f}x spectral", "<= 2x", _goal(r, 2.0, True)))
+    r = best["uniform_qr"] / best["spectral"]
+    lines.append(row("previous uniform HDI (QR of every head), same layer", "uniform_qr", f"{r:.2f}x spectral"))
+    err = uniform_error_vs_scipy(layer)
+    lines.append(
+        f"| uniform overlaps vs scipy float64 mean cos^2, max abs difference over 66 pairs | {err:.1e} | | | | "
+        f"<= 1e-6 | {_goal(err, 1e-6, True)} |"
+    )
     lines.append(row("pairwise_principal_angles, same layer (float64)", "pairwise"))
     if scipy_names:
         as_is, fastest = scipy_names[0], min(scipy_names, key=best.__getitem__)
