@@ -60,7 +60,7 @@ class _TimedMonitor(HDIMonitor):
     on_train_batch_end = _timed("on_train_batch_end")
 
 
-def run(steps: int, monitored: bool, log_root: str, seed: int) -> tuple[float, float, int]:
+def run(steps: int, monitored: bool, log_root: str, seed: int, accelerator: str = "cpu") -> tuple[float, float, int]:
     pl.seed_everything(seed, verbose=False)
     clock = _Clock()
     callbacks: list[pl.Callback] = [clock]
@@ -77,7 +77,7 @@ def run(steps: int, monitored: bool, log_root: str, seed: int) -> tuple[float, f
         enable_progress_bar=False,
         enable_model_summary=False,
         log_every_n_steps=50,
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=1,
     )
     model = CharLM(d_model=256, num_heads=8, num_layers=4, seq_len=64)
@@ -92,16 +92,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
+    parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu (default) or gpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     bare, monitored, spent, counts = [], [], [], []
     with tempfile.TemporaryDirectory() as root:
-        run(20, True, root, seed=123)  # warm-up (imports, allocator, TensorBoard writer)
+        run(20, True, root, seed=123, accelerator=args.accelerator)  # warm-up (imports, allocator, TensorBoard writer)
         for r in range(args.rounds):
             order = (False, True) if r % 2 == 0 else (True, False)
             for mon in order:
-                seconds, inside, n = run(args.steps, mon, root, seed=r)
+                seconds, inside, n = run(args.steps, mon, root, seed=r, accelerator=args.accelerator)
                 (monitored if mon else bare).append(seconds)
                 if mon:
                     spent.append(inside)
@@ -112,7 +113,8 @@ def main() -> None:
     step_ms = 1000 * statistics.median(bare) / args.steps
     per_measure_ms = 1000 * sum(spent) / max(sum(counts), 1)
     lines = [
-        f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"accelerator {args.accelerator}" + (f" ({torch.cuda.get_device_name()})" if args.accelerator == "gpu" else ""),
         "",
         "| quantity | value |",
         "|---|---|",

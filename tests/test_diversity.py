@@ -39,7 +39,9 @@ SCIPY_ATOL = 1e-7
 WEIGHTINGS = ("spectral", "uniform")
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+    pytest.param(
+        "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+    ),
 ]
 HYPO = settings(max_examples=20, deadline=None, derandomize=True)
 
