@@ -210,8 +210,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384], help="GPT-2-small layer token counts")
-    p.add_argument("--wide-tokens", type=int, nargs="*", default=None, help="4096-wide layer token counts "
-                   "(default: 1024 4096 on CPU, as --tokens on CUDA)")
+    p.add_argument(
+        "--wide-tokens",
+        type=int,
+        nargs="*",
+        default=None,
+        help="4096-wide layer token counts (default: 1024 4096 on CPU, as --tokens on CUDA)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="timed calls per case after a warm-up (default 2)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown here")

@@ -50,10 +50,9 @@ two ``all_reduce`` calls in all (counts and sums, then the re-centred ``H x H`` 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import torch
 from einops import rearrange
@@ -95,7 +94,7 @@ _F64 = torch.float64
 
 #: Where the accumulator reads ``W_O``: a tensor, or a zero-argument callable returning one, either
 #: ``(H, D, d)`` (``w[h] = W_O,h``) or the output projection's ``nn.Linear`` weight ``(D, H d)``.
-WOutSource = Union[Tensor, Callable[[], Tensor]]
+WOutSource = Tensor | Callable[[], Tensor]
 
 MatmulDtype = Literal["auto", "float32", "float64"]
 

@@ -318,7 +318,7 @@ def _whitened_bases(x: Tensor, rtol: float) -> tuple[Tensor, Tensor]:
     :data:`WHITEN_MAX_COND`: the whitened basis carries an error of about ``eps * kappa^2``); only
     the other heads are factorised (:func:`orthonormal_basis`, QR, with their numerical rank).
     """
-    h, dim, width = x.shape[-3:]
+    dim, width = x.shape[-2:]
     lam, vec = torch.linalg.eigh(x.transpose(-1, -2) @ x)  # the Gram's diagonal blocks; ascending
     s = lam.clamp_min(0).sqrt()
     s_min, s_max = s[..., 0], s[..., -1]
