@@ -269,24 +269,35 @@ def test_bad_arguments_fail_in_init(kwargs, match):
         HDIMonitor(**kwargs)
 
 
-def test_no_attention_layer_disables_with_warning(tmp_path):
+def test_no_attention_layer_raises_in_setup_before_the_first_step(tmp_path):
+    """Item 6 (issue 12): a model the monitor cannot watch fails in setup, naming its modules and
+    how to pass a spec; it never trains unmonitored."""
+
     class MLP(pl.LightningModule):
         def __init__(self):
             super().__init__()
             self.net = torch.nn.Linear(16, 128)
+            self.steps = 0
 
         def training_step(self, batch, batch_idx):
+            self.steps += 1
             return self.net(batch[0].float()).mean()
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
-    monitor = HDIMonitor(every_n_steps=1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer(tmp_path, monitor, max_steps=2).fit(MLP(), loader())
-    assert any("HDIMonitor is disabled" in str(w.message) for w in caught)
-    assert monitor.history == []
+    model = MLP()
+    with pytest.raises(ValueError, match=r"no attention layer found in MLP(.|\n)*Modules of this model: net(.|\n)*spec="):
+        trainer(tmp_path, HDIMonitor(every_n_steps=1), max_steps=2).fit(model, loader())
+    assert model.steps == 0
+
+
+def test_layers_filter_matching_nothing_raises_with_the_real_names(tmp_path):
+    """Item 6 (issue 12): a `layers` filter that matches no layer raises in setup and lists the layers."""
+    model = tiny_lm()
+    with pytest.raises(ValueError, match=r"matches none(.|\n)*encoder\.layers\.0\.self_attn"):
+        trainer(tmp_path, HDIMonitor(every_n_steps=1, layers=r"decoder"), max_steps=2).fit(model, loader())
+    assert model.global_step == 0
 
 
 def test_points_use_the_weights_of_their_forward_pass(tmp_path):

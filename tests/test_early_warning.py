@@ -22,7 +22,7 @@ def test_flat_hdi_fires_saturation_and_stop_ends_training_early(tmp_path):
         on_saturation="stop", strict=True,
     )
     t = trainer(tmp_path, monitor, max_steps=40)
-    with pytest.warns(DiversityWarning, match="saturated"):
+    with pytest.warns(DiversityWarning, match="step 6: saturation in 2 layers and the model mean"):
         t.fit(tiny_lm(lr=0.0), loader(n=400))
     # flat series: the window of patience + 1 = 4 measurements (steps 0, 2, 4, 6) is full at step 6
     assert t.global_step == 7
@@ -86,7 +86,7 @@ def test_resumed_run_warns_exactly_like_an_uninterrupted_one(tmp_path):
 
     full = monitor()
     whole = _warnings_of(lambda: trainer(tmp_path / "a", full, max_steps=16).fit(model(), loader()))
-    assert len(whole) >= 3  # redundancy + saturation per layer and the mean
+    assert len(whole) >= 2  # redundancy, then saturation of both layers and the mean (one summary per step)
 
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=7)
     first = monitor()
