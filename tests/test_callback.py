@@ -181,6 +181,36 @@ def test_resume_continues_history_without_duplicates(tmp_path):
     assert sorted(series) == [0, 2, 4, 6, 8]
 
 
+def test_fit_twice_on_one_trainer_continues_history_and_detector(tmp_path):
+    """Item 4 (issue 12): a second trainer.fit on the same Trainer continues the history, the events
+    and the detector on Lightning's own step axis; a new Trainer starts afresh."""
+    model = tiny_lm(lr=0.0)  # flat HDI: saturation needs patience + 1 = 4 measurements in one series
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, patience=3, warmup_steps=0, strict=True)
+    t = pl.Trainer(
+        max_epochs=1, logger=TensorBoardLogger(str(tmp_path), name="tb"), callbacks=[monitor], accelerator="cpu",
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+    )
+    t.fit(model, loader(n=16))  # 4 steps: measured 0, 2
+    assert [h["step"] for h in monitor.history] == [0, 2] and monitor.tracker.events == []
+    t.fit_loop.max_epochs = 2
+    with pytest.warns(UserWarning):  # the DiversityWarning of step 6 (and Lightning's own notes)
+        t.fit(model, loader(n=16))  # steps 4..7: measured 4, 6
+    assert t.global_step == 8
+    assert [h["step"] for h in monitor.history] == [0, 2, 4, 6]
+    saturated = {(e.layer, e.step) for e in monitor.tracker.events if e.kind == "saturation"}
+    assert (LAYERS[0], 6) in saturated  # the detector saw all four measurements
+    series = scalar_series(read_events(t.logger.log_dir), f"hdi/key/{LAYERS[0]}")
+    assert sorted(series) == [0, 2, 4, 6]
+
+    t2 = pl.Trainer(
+        max_steps=3, logger=False, callbacks=[monitor], accelerator="cpu", enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    t2.fit(model, loader(n=16))
+    assert [h["step"] for h in monitor.history] == [0, 2]
+    assert monitor.tracker.events == []
+
+
 def test_gradient_accumulation_measures_optimizer_steps(tmp_path):
     model = tiny_lm()
     monitor = HDIMonitor(every_n_steps=2, projections=("key",), strict=True, early_warning=False, max_tokens=None)
