@@ -130,6 +130,17 @@ def test_custom_scalars_layout_written_once(tb_run):
     for tag in [f"hdi/key/{n}" for n in LAYERS] + ["hdi_chance/key", "hdi/key/mean"]:
         assert any(re.search(p, tag) for p in patterns), tag
     assert not any(re.search(p, "hdi/query/" + LAYERS[0]) for p in patterns)
+    health = next(c for cat in found[0].category for c in cat.chart if c.title == "invalid heads (key)")
+    assert any(re.search(p, f"invalid_heads/key/{LAYERS[1]}") for p in health.multiline.tag)
+
+
+def test_invalid_head_counts_logged_on_every_measured_step(tb_run):
+    """Item 5 (issue 12): invalid_heads/<projection>/<layer> is a scalar on every measured step (0 here)."""
+    _, monitor, _, accs = tb_run
+    for p in PROJECTIONS:
+        for layer in LAYERS:
+            series = scalar_series(accs, f"invalid_heads/{p}/{layer}")
+            assert series == {0: 0.0, 3: 0.0, 6: 0.0, 9: 0.0}
 
 
 def test_activation_scalars_logged(tb_run):
