@@ -186,12 +186,14 @@ def _internal() -> tuple[str, ...]:
     return _internal_prefixes
 
 
-def _warn(message: str, category: type[Warning]) -> None:
+def _warn(message: str, category: type[Warning], *, rank_zero_only: bool = False) -> None:
     """``warnings.warn`` attributed to the first frame outside hdi-monitor, torch, Lightning and
-    transformers (the user's ``trainer.fit`` or loop line); only on rank 0 under torch.distributed."""
+    transformers (the user's ``trainer.fit`` or loop line). With ``rank_zero_only`` (for what every
+    rank sees alike: events, layer changes) only rank 0 warns under torch.distributed; a failure of
+    one rank is warned on that rank."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+    if rank_zero_only and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
     internal = _internal()
     frame, level = sys._getframe(1), 2
@@ -659,7 +661,11 @@ class HDITracker:
         notes, self._notes = self._notes, []
         if notes:
             lines = "\n  ".join(notes)
-            _warn(f"hdi-monitor step {step}: {len(notes)} change(s) in the watched layers:\n  {lines}", MonitoringWarning)
+            _warn(
+                f"hdi-monitor step {step}: {len(notes)} change(s) in the watched layers:\n  {lines}",
+                MonitoringWarning,
+                rank_zero_only=True,
+            )
         self._dispatch(step, events)
         self._write(measurement, *pictures)
         return measurement
@@ -704,6 +710,7 @@ class HDITracker:
             "after compilation). Activation statistics (covariance, effective heads) are off from now on; the "
             "weight-based HDI is unaffected. Pass activations=False to silence this warning.",
             MonitoringWarning,
+            rank_zero_only=True,
         )
 
     def _scalars(self, report: DiversityReport) -> dict[str, float]:
@@ -878,7 +885,8 @@ class HDITracker:
             return
         if self.on_saturation == "stop" and any(e.kind in ("saturation", "collapse") for e in events):
             self.stop_requested = True
-        _warn(events[0].message if len(events) == 1 else summarize_events(step, events), DiversityWarning)
+        message = events[0].message if len(events) == 1 else summarize_events(step, events)
+        _warn(message, DiversityWarning, rank_zero_only=True)
 
 
 def make_detectors(
