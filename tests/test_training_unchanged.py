@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import cuda
 from hdi_monitor import HDIMonitor, HDITracker
 
 VOCAB, WIDTH, SEQ, BATCH = 48, 32, 24, 8  # 192 tokens per batch per layer
@@ -64,8 +65,10 @@ def data(n: int = 96) -> DataLoader:
 
 def global_state() -> dict:
     """Everything of the process that training can see and the monitor must leave alone."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     return {
         "torch_rng": torch.get_rng_state(),
+        "cuda_rng": [s.tolist() for s in torch.cuda.get_rng_state_all()] if cuda else None,
         "grad_enabled": torch.is_grad_enabled(),
         "mha_fastpath": torch.backends.mha.get_fastpath_enabled(),
         "autocast_cpu": torch.is_autocast_enabled("cpu"),
@@ -123,15 +126,16 @@ def test_lightning_training_is_bit_identical_with_the_monitor(tmp_path, accumula
     assert_same_run(without, with_)
 
 
-def plain_run(monitored: bool, steps: int = 6) -> dict:
+def plain_run(monitored: bool, steps: int = 6, device: str = "cpu") -> dict:
     torch.manual_seed(0)
-    model = DropoutEncoder()
+    model = DropoutEncoder().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tracker = HDITracker(model, every_n_steps=2, max_tokens=MAX_TOKENS, log_images_every_n_steps=2, strict=True)
     losses = []
     for x, y in data():
         if len(losses) == steps:
             break
+        x, y = x.to(device), y.to(device)
         if monitored:
             with tracker.capture(x):
                 logits = model(x)
@@ -160,6 +164,17 @@ def test_plain_loop_training_is_bit_identical_with_the_tracker():
     with_ = plain_run(monitored=True)
     assert len(with_["tracker"].history) == 3
     assert with_["tracker"].last_token_counts == [MAX_TOKENS, MAX_TOKENS]
+    assert_same_run(without, with_)
+
+
+@cuda
+def test_plain_loop_on_cuda_leaves_the_cuda_generator_alone():
+    """Item 1 on an accelerator: dropout masks come from the CUDA generator, which the subsample
+    (drawn on the tracker's CPU generator) must not touch."""
+    without = plain_run(monitored=False, device="cuda")
+    with_ = plain_run(monitored=True, device="cuda")
+    assert with_["tracker"].last_token_counts == [MAX_TOKENS, MAX_TOKENS]
+    assert with_["globals"]["cuda_rng"] is not None
     assert_same_run(without, with_)
 
 
