@@ -136,7 +136,7 @@ def test_custom_scalars_layout_written_once(tb_run):
 
 def test_invalid_head_counts_logged_on_every_measured_step(tb_run):
     """Item 5 (issue 12): invalid_heads/<projection>/<layer> is a scalar on every measured step (0 here)."""
-    _, monitor, _, accs = tb_run
+    accs = tb_run[3]
     for p in PROJECTIONS:
         for layer in LAYERS:
             series = scalar_series(accs, f"invalid_heads/{p}/{layer}")

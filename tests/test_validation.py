@@ -11,7 +11,7 @@ from torch import nn
 from hdi_monitor import HDIMonitor, HDITracker
 
 transformers = pytest.importorskip("transformers")
-from hdi_monitor.integrations import HDITrainerCallback  # noqa: E402
+from hdi_monitor.integrations import HDITrainerCallback
 
 BAD = [
     ({"layers": "self_attn("}, ValueError, r"layers is not a valid regex: 'self_attn\('"),
@@ -85,9 +85,11 @@ def test_plain_loop_without_attention_raises_before_the_first_forward():
     tracker = HDITracker(model, every_n_steps=1)
     calls = []
     model.register_forward_pre_hook(lambda *a: calls.append(1))
-    with pytest.raises(ValueError, match=r"no attention layer found in MLP(.|\n)*body, body\.0, body\.1, head(.|\n)*spec="):
-        with tracker.capture(torch.randn(2, 8)):
-            model(torch.randn(2, 8))
+    with (
+        pytest.raises(ValueError, match=r"no attention layer found in MLP(.|\n)*body, body\.0, body\.1, head(.|\n)*spec="),
+        tracker.capture(torch.randn(2, 8)),
+    ):
+        model(torch.randn(2, 8))
     assert calls == []
 
 
