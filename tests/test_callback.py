@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
