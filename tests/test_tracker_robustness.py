@@ -131,16 +131,21 @@ def _hdi_scalars(report, projections=("query", "key", "value", "output")) -> dic
     }
 
 
-def test_replaced_mha_is_picked_up_with_one_warning_and_measured_correctly():
+def test_replaced_mha_is_picked_up_with_one_warning_and_measured_correctly(monkeypatch):
     """Item 2: a replaced nn.MultiheadAttention (new head count) gives one MonitoringWarning naming the
     layer and what changed; from then on the new module is measured (= head_diversity of the changed
-    model, weights and head outputs)."""
+    model, weights and head outputs). Steps where nothing changed do not search the model again."""
+    searches = []
+    real_find = tracker_mod.find_attention_layers
+    monkeypatch.setattr(tracker_mod, "find_attention_layers", lambda *a, **k: searches.append(1) or real_find(*a, **k))
     model = encoder()
     x = torch.randn(3, 7, 16)
     tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=0, strict=True)
-    with tracker.capture(x):
-        model(x)
-    tracker.step()
+    for _ in range(3):
+        with tracker.capture(x):
+            model(x)
+        tracker.step()
+    assert len(searches) == 1  # found once; unchanged steps only compare module identity and shapes
     torch.manual_seed(5)
     model.layers[0].self_attn = nn.MultiheadAttention(16, 2, batch_first=True)
     for _ in range(2):
@@ -162,6 +167,7 @@ def test_replaced_mha_is_picked_up_with_one_warning_and_measured_correctly():
     assert ref.layers[0].num_heads == 2
     assert last["effective_heads/layers.0.self_attn"] == pytest.approx(ref.layers[0].effective_heads, rel=1e-6)
     assert tracker.layers[0].module is model.layers[0].self_attn
+    assert len(searches) == 2  # one more search, at the step of the change only
 
 
 def test_pruned_bert_heads_are_picked_up_and_measured_correctly():
