@@ -260,8 +260,14 @@ def main(argv: list[str] | None = None) -> None:
     say("\n## What it shows\n")
     say(
         f"- Measured best d_k over N = {n_values[0]}..{n_values[-1]}: {best_d}"
-        f" (rank correlation with N {rank:+.2f}); per-seed winners are listed above, and neighbouring"
-        " splits are often within seed noise."
+        f" (rank correlation with N {rank:+.2f})."
+        + (
+            " Several splits are within seed noise of the best at "
+            + "; ".join(f"N = {n} (d_k = {', '.join(map(str, near_best(n)))})" for n in tied)
+            + ": there the sweep does not pick a winner."
+            if (tied := [n for n in n_values if len(near_best(n)) > 1])
+            else " Every winner is clear of seed noise."
+        )
     )
     say(
         f"- The fitted law's continuous d_k* goes {cont_all[0]:.2f} -> {cont_all[-1]:.2f} over the same range"
@@ -290,7 +296,6 @@ def main(argv: list[str] | None = None) -> None:
         f" mean log residual {float(np.mean(held_resid)):+.3f}"
         f" ({'over' if np.mean(held_resid) > 0 else 'under'}-predicts the loss on average)."
     )
-    say("\n![Measured MSE against the fitted law, and d_k* against N](allocation.png)")
     report = "\n".join(lines)
     (out / "allocation.md").write_text(report + "\n")
     print()
