@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["CharLM", "CharDataModule", "stdlib_text", "run_demo"]
+__all__ = ["CharDataModule", "CharLM", "run_demo", "stdlib_text"]
 
 _MODULES = ("textwrap", "argparse", "string", "heapq", "bisect", "fractions", "calendar", "difflib")
 
