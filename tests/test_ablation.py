@@ -1,0 +1,197 @@
+"""Head ablation, importance, redundancy ranking and pruning, on tiny models of four families.
+
+References are independent of the hooks under test: the output projection applied by hand to the
+captured head outputs, and copies of the model whose out-projection columns (or q/k/v rows) are
+edited directly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from hdi_monitor.ablation import ablate_heads, head_output_means
+from hdi_monitor.ablation._hooks import output_module
+from hdi_monitor.adapters import find_attention_layers
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ("torch_mha", "bert", "gpt2", "llama")
+D, H = 32, 4
+
+
+def _build(family: str) -> nn.Module:
+    torch.manual_seed(0)
+    if family == "torch_mha":
+        layer = nn.TransformerEncoderLayer(D, H, dim_feedforward=64, dropout=0.0, batch_first=True)
+        model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    elif family == "bert":
+        cfg = transformers.BertConfig(
+            vocab_size=50, hidden_size=D, num_hidden_layers=2, num_attention_heads=H, intermediate_size=64,
+            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )
+        model = transformers.BertModel(cfg, add_pooling_layer=False)
+    elif family == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=50, n_embd=D, n_layer=2, n_head=H, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+        )
+        model = transformers.GPT2Model(cfg)
+    else:
+        cfg = transformers.LlamaConfig(
+            vocab_size=50, hidden_size=D, num_hidden_layers=2, num_attention_heads=H, num_key_value_heads=2,
+            head_dim=8, intermediate_size=64, max_position_embeddings=32, attention_bias=True,
+        )
+        model = transformers.LlamaModel(cfg)
+    model = model.double().eval()
+    with torch.no_grad():  # random biases, so that mean ablation differs from zero ablation
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def _batch(family: str, seed: int = 1, batch: int = 3, tokens: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    if family == "torch_mha":
+        return torch.randn(batch, tokens, D, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 50, (batch, tokens), generator=g)
+    mask = torch.ones(batch, tokens, dtype=torch.long)
+    mask[0, -2:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _run(model: nn.Module, batch) -> torch.Tensor:
+    out = model(**batch) if isinstance(batch, dict) else model(batch)
+    return out if isinstance(out, torch.Tensor) else out.last_hidden_state
+
+
+def _out_weight_bias(layer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    w = rearrange(layer.head_weights("output"), "h m d -> m (h d)")
+    mod = layer.module.out_proj if layer.family == "torch_mha" else output_module(layer)
+    return w, mod.bias
+
+
+def _out_param(model: nn.Module, layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The out-projection weight in (D, H d) view (Conv1D transposed) and its bias, of ``model``'s copy."""
+    mod = dict(model.named_modules())[layer.name]
+    if layer.family == "torch_mha":
+        return mod.out_proj.weight, mod.out_proj.bias
+    if layer.family == "bert":
+        return mod.output.dense.weight, mod.output.dense.bias
+    if layer.family == "gpt2":
+        return mod.c_proj.weight.T, mod.c_proj.bias
+    return mod.o_proj.weight, mod.o_proj.bias
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_zero_ablation_equals_out_projection_of_zeroed_head_outputs(family):
+    model = _build(family)
+    layers = find_attention_layers(model)
+    layer = layers[1]
+    batch = _batch(family)
+    captured = []
+    with layer.attach_output_hook(lambda o, _k: captured.append(o.clone())), torch.no_grad():
+        _run(model, batch)
+    (o,) = captured
+    seen = []
+    target = layer.module if family == "torch_mha" else output_module(layer)
+    with torch.no_grad(), ablate_heads(model, {layer.name: [0, 2]}):
+        # registered after the ablation's hooks, so it sees the edited output (MHA: post-hook order)
+        hook = target.register_forward_hook(lambda _m, _a, out: seen.append((out[0] if isinstance(out, tuple) else out).clone()))
+        try:
+            _run(model, batch)
+        finally:
+            hook.remove()
+    o_ref = o.clone()
+    d = layer.head_dim
+    for h in (0, 2):
+        o_ref[..., h * d : (h + 1) * d] = 0
+    w, b = _out_weight_bias(layer)
+    expected = F.linear(o_ref, w, b)
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], expected, atol=1e-6, rtol=0)
+    assert (seen[0] - F.linear(o, w, b)).abs().max() > 1e-3  # the ablation changed something
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_ablation_equals_model_with_edited_out_projection(family, mode):
+    model = _build(family)
+    layers = find_attention_layers(model)
+    batch = _batch(family)
+    heads = {layers[0].name: [1], layers[1].name: [0, 3]}
+    means = head_output_means(model, [_batch(family, seed=5), _batch(family, seed=6)]) if mode == "mean" else None
+    with torch.no_grad(), ablate_heads(model, heads, mode, means=means):
+        got = _run(model, batch)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in layers:
+            w, b = _out_param(ref, layer)
+            d = layer.head_dim
+            for h in heads[layer.name]:
+                cols = slice(h * d, (h + 1) * d)
+                if mode == "mean":  # W_O,h E[o_h] moves into the bias
+                    b += w[:, cols] @ means[layer.name][cols]
+                w[:, cols] = 0
+        expected = _run(ref, batch)
+        full = _run(model, batch)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    assert (got - full).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", ["torch_mha", "bert"])
+def test_ablation_restores_the_model_also_on_exceptions(family):
+    model = _build(family)
+    layer = find_attention_layers(model)[0]
+    batch = _batch(family)
+    with torch.no_grad():
+        before = _run(model, batch)
+    hooks_before = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="boom"):
+        with torch.no_grad(), ablate_heads(model, {layer.name: [0, 1]}):
+            assert (_run(model, batch) - before).abs().max() > 1e-3
+            raise RuntimeError("boom")
+    with torch.no_grad():
+        after = _run(model, batch)
+    assert torch.equal(after, before)
+    assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == hooks_before
+    assert torch.backends.mha.get_fastpath_enabled() == fastpath
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+def test_head_output_means_match_masked_average():
+    model = _build("bert")
+    layer = find_attention_layers(model)[0]
+    batch = _batch("bert")
+    captured = []
+    with layer.attach_output_hook(lambda o, _k: captured.append(o)), torch.no_grad():
+        _run(model, batch)
+    keep = batch["attention_mask"].bool()
+    expected = captured[0][keep].mean(0)
+    got = head_output_means(model, batch)[layer.name]
+    torch.testing.assert_close(got, expected.to(torch.float64), atol=1e-12, rtol=0)
+
+
+def test_ablation_rejects_bad_input():
+    model = _build("bert")
+    name = find_attention_layers(model)[0].name
+    with pytest.raises(ValueError, match="no attention layer named 'nope'"):
+        with ablate_heads(model, {"nope": [0]}):
+            pass
+    with pytest.raises(ValueError, match=r"out of range \(the layer has 4 heads"):
+        with ablate_heads(model, {name: [4]}):
+            pass
+    with pytest.raises(ValueError, match="needs means"):
+        with ablate_heads(model, {name: [0]}, "mean"):
+            pass
+    with pytest.raises(ValueError, match="mode must be"):
+        with ablate_heads(model, {name: [0]}, "drop"):  # type: ignore[arg-type]
+            pass
