@@ -195,3 +195,51 @@ def test_ablation_rejects_bad_input():
     with pytest.raises(ValueError, match="mode must be"):
         with ablate_heads(model, {name: [0]}, "drop"):  # type: ignore[arg-type]
             pass
+
+
+# ------------------------------------------------------------------------------------- importance
+
+
+def _loss(model: nn.Module, batch) -> torch.Tensor:
+    out = _run(model, batch)
+    r = torch.linspace(-1.0, 1.0, out.shape[-1], dtype=out.dtype)
+    return ((out @ r).tanh() ** 2).mean()
+
+
+def _loss_with_scaled_head(model: nn.Module, layer, head: int, scale: float, batch) -> float:
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        w, _ = _out_param(ref, layer)
+        w[:, head * layer.head_dim : (head + 1) * layer.head_dim] *= scale  # W_O (xi o) = (xi W_O) o
+        return float(_loss(ref, batch))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_head_importance_matches_finite_differences_of_the_gate(family):
+    from hdi_monitor.ablation import head_importance
+
+    model = _build(family)
+    layers = find_attention_layers(model)
+    batches = [_batch(family, seed=2), _batch(family, seed=3)]
+    first = next(model.parameters())
+    first.grad = torch.full_like(first, 0.5)
+    grads_before = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+    raw = head_importance(model, batches, _loss, normalize=False)
+    # central differences; eps = 1e-3 because LlamaRMSNorm computes in float32 even for a float64 model
+    eps = 1e-3
+    for layer in layers:
+        expected = torch.zeros(layer.num_heads, dtype=torch.float64)
+        for h in range(layer.num_heads):
+            for batch in batches:
+                up = _loss_with_scaled_head(model, layer, h, 1 + eps, batch)
+                down = _loss_with_scaled_head(model, layer, h, 1 - eps, batch)
+                expected[h] += abs(up - down) / (2 * eps) / len(batches)
+        assert expected.max() > 1e-4
+        torch.testing.assert_close(raw[layer.name].double(), expected, rtol=1e-3, atol=1e-5)
+    normed = head_importance(model, batches, _loss)
+    for layer in layers:
+        torch.testing.assert_close(normed[layer.name], raw[layer.name] / raw[layer.name].norm(), rtol=1e-6, atol=0)
+    for n, p in model.named_parameters():  # only the gates were differentiated
+        before = grads_before[n]
+        assert (p.grad is None) if before is None else torch.equal(p.grad, before), n
+    assert model.training is False

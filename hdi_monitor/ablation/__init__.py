@@ -11,5 +11,6 @@ See docs/pruning.md for the definitions and the MiniLM experiment.
 
 from hdi_monitor.ablation._hooks import head_output_means
 from hdi_monitor.ablation.ablate import AblationMode, ablate_heads
+from hdi_monitor.ablation.importance import head_importance
 
-__all__ = ["AblationMode", "ablate_heads", "head_output_means"]
+__all__ = ["AblationMode", "ablate_heads", "head_importance", "head_output_means"]
