@@ -243,3 +243,92 @@ def test_head_importance_matches_finite_differences_of_the_gate(family):
         before = grads_before[n]
         assert (p.grad is None) if before is None else torch.equal(p.grad, before), n
     assert model.training is False
+
+
+# ---------------------------------------------------------------------------------------- ranking
+
+
+def _planted_bert():
+    """Tiny BERT whose layer 1 has head 3 an exact copy of head 1 (q, k, v rows and o columns)."""
+    model = _build("bert")
+    att = model.encoder.layer[1].attention
+    d = D // H
+    src, dst = slice(1 * d, 2 * d), slice(3 * d, 4 * d)
+    with torch.no_grad():
+        for lin in (att.self.query, att.self.key, att.self.value):
+            lin.weight[dst] = lin.weight[src]
+            lin.bias[dst] = lin.bias[src]
+        att.output.dense.weight[:, dst] = att.output.dense.weight[:, src]
+    return model
+
+
+def _spectral_overlap(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a.T @ b).square().sum() / ((a.T @ a).norm() * (b.T @ b).norm()))
+
+
+def test_similarity_and_ranking_find_planted_duplicate_heads():
+    from hdi_monitor.ablation import head_similarity, redundancy_ranking
+
+    model = _planted_bert()
+    layers = find_attention_layers(model)
+    sim = head_similarity(model)
+    l1 = layers[1]
+    s = sim[l1.name]
+    assert s[1, 3] == pytest.approx(1.0, abs=1e-6)
+    # an ordinary pair equals the mean over projections of the spectral overlap, computed by hand
+    expected = sum(_spectral_overlap(l1.head_weights(p)[0], l1.head_weights(p)[2]) for p in ("query", "key", "value", "output")) / 4
+    assert float(s[0, 2]) == pytest.approx(expected, abs=1e-6)
+    off = ~torch.eye(H, dtype=torch.bool)
+    assert sim[layers[0].name][off].max() < 0.9
+    order = redundancy_ranking(sim)
+    assert order[0][0] == l1.name and order[0][1] in (1, 3)
+    twin = 4 - order[0][1]  # 1 <-> 3
+    # once one copy is gone the other is no more redundant than the ordinary heads
+    assert order[1] != (l1.name, twin)
+    assert sorted(order) == sorted((lay.name, h) for lay in layers for h in range(H))
+    assert [name for name, _ in order[-2:]] != [l1.name, l1.name]  # each layer's last head comes last
+
+
+def test_similarity_output_correlation_view_matches_hand_computation():
+    from hdi_monitor.ablation import head_similarity
+
+    model = _planted_bert()
+    layer = find_attention_layers(model)[1]
+    batch = _batch("bert")
+    captured = []
+    with layer.attach_output_hook(lambda o, _k: captured.append(o)), torch.no_grad():
+        _run(model, batch)
+    o = captured[0][batch["attention_mask"].bool()]  # (tokens, H d)
+    w = layer.head_weights("output").double()  # (H, D, d)
+    c = torch.einsum("hmd,thd->htm", w, rearrange(o, "t (h d) -> t h d", h=H)).reshape(H, -1, D)
+    c = c - c.mean(1, keepdim=True)
+    cov = torch.einsum("itm,jtm->ij", c, c)
+    corr = cov / torch.sqrt(cov.diagonal()[:, None] * cov.diagonal()[None, :])
+    sim = head_similarity(model, projections=(), inputs=batch)[layer.name]
+    torch.testing.assert_close(sim.double(), corr.clamp_min(0).fill_diagonal_(1.0), atol=1e-5, rtol=0)
+    assert sim[1, 3] == pytest.approx(1.0, abs=1e-6)
+    with pytest.raises(ValueError, match="at least one view"):
+        head_similarity(model, projections=())
+
+
+def test_importance_combined_random_and_selection():
+    from hdi_monitor.ablation import combined_ranking, importance_ranking, random_ranking, select_heads
+
+    imp = {"a": torch.tensor([0.5, 0.1, 0.9]), "b": torch.tensor([0.2, 0.05])}
+    order = importance_ranking(imp)
+    assert order == [("b", 1), ("a", 1), ("b", 0), ("a", 0), ("a", 2)]
+    other = [("a", 2), ("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+    # mean positions: b1 (0+4)/2=2, a1 (1+3)/2=2, b0 2, a0 (3+1)/2=2, a2 (4+0)/2=2 -> all tie, first order's
+    assert combined_ranking(order, other) == order
+    x, y, z = ("a", 0), ("a", 1), ("b", 0)
+    assert combined_ranking([x, y, z], [z, x, y]) == [x, z, y]  # mean positions 0.5, 1.0, 1.5
+    state = torch.random.get_rng_state()
+    r1, r2 = random_ranking({"a": 3, "b": 2}, seed=7), random_ranking({"a": 3, "b": 2}, seed=7)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global generator was not drawn from
+    assert r1 == r2 and sorted(r1) == sorted(order)
+    assert r1 == [[("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1)][i] for i in torch.randperm(5, generator=torch.Generator().manual_seed(7)).tolist()]
+    # b keeps one head: ("b", 0) is skipped once ("b", 1) went
+    assert select_heads(order, 3, {"a": 3, "b": 2}) == {"a": [0, 1], "b": [1]}
+    with pytest.raises(ValueError, match=r"count must be in 0\.\.3"):
+        select_heads(order, 4, {"a": 3, "b": 2})
