@@ -332,3 +332,72 @@ def test_importance_combined_random_and_selection():
     assert select_heads(order, 3, {"a": 3, "b": 2}) == {"a": [0, 1], "b": [1]}
     with pytest.raises(ValueError, match=r"count must be in 0\.\.3"):
         select_heads(order, 4, {"a": 3, "b": 2})
+
+
+# ---------------------------------------------------------------------------------------- pruning
+
+
+@pytest.mark.parametrize(
+    ("family", "drop"),
+    [
+        ("bert", {0: [1], 1: [0, 2, 3]}),
+        ("gpt2", {0: [0, 3], 1: [2]}),
+        ("llama", {0: [0, 1], 1: [1, 3]}),  # layer 0: a whole key/value group goes; layer 1: groups of 1 and 1
+        ("llama", {1: [0]}),  # unequal groups (1 and 2 query heads left): key/value heads are copied
+    ],
+)
+def test_pruned_model_equals_ablated_model(family, drop):
+    from hdi_monitor.ablation import count_parameters, prune_heads
+
+    model = _build(family)
+    layers = find_attention_layers(model)
+    heads = {layers[i].name: h for i, h in drop.items()}
+    batch = _batch(family)
+    with torch.no_grad(), ablate_heads(model, heads):
+        ablated = _run(model, batch)
+    before = count_parameters(model)
+    pruned = copy.deepcopy(model)
+    unequal = family == "llama" and drop == {1: [0]}
+    if unequal:
+        with pytest.warns(UserWarning, match="unequal sizes"):
+            prune_heads(pruned, heads)
+    else:
+        prune_heads(pruned, heads)
+    with torch.no_grad():
+        got = _run(pruned, batch)
+    torch.testing.assert_close(got, ablated, atol=1e-5, rtol=0)
+    after = {lay.name: lay for lay in find_attention_layers(pruned)}
+    d = D // H
+    expected_removed = 0
+    for lay in layers:
+        gone = len(heads.get(lay.name, []))
+        assert after[lay.name].num_heads == H - gone
+        q_and_o = gone * (2 * D * d + d)  # q rows + bias, o columns
+        if family == "llama":
+            kv_before = lay.num_kv_heads
+            kv_after = after[lay.name].num_kv_heads
+            expected_removed += q_and_o + (kv_before - kv_after) * 2 * (D * d + d)
+        else:
+            expected_removed += q_and_o + gone * 2 * (D * d + d)  # k and v rows + biases
+    assert before - count_parameters(pruned) == expected_removed
+    if family == "llama":
+        assert [a.num_kv_heads for a in after.values()] == ([1, 2] if not unequal else [2, 3])
+
+
+def test_prune_refuses_what_it_cannot_do():
+    from hdi_monitor.ablation import prune_heads
+
+    mha_model = _build("torch_mha")
+    name = find_attention_layers(mha_model)[0].name
+    with pytest.raises(ValueError, match=r"family 'torch_mha'.*num_heads \* head_dim == embed_dim.*ablate_heads"):
+        prune_heads(mha_model, {name: [0]})
+    bert = _build("bert")
+    layers = find_attention_layers(bert)
+    state = {k: v.clone() for k, v in bert.state_dict().items()}
+    with pytest.raises(ValueError, match="cannot remove all 4 heads"):
+        prune_heads(bert, {layers[0].name: [0], layers[1].name: [0, 1, 2, 3]})
+    assert all(torch.equal(v, state[k]) for k, v in bert.state_dict().items())  # nothing edited
+    t5 = transformers.T5EncoderModel(transformers.T5Config(vocab_size=50, d_model=D, d_kv=8, num_heads=H, num_layers=1, d_ff=64))
+    t5_name = find_attention_layers(t5)[0].name
+    with pytest.raises(ValueError, match="no pruning layout for family 't5'"):
+        prune_heads(t5, {t5_name: [0]})

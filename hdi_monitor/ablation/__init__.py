@@ -12,6 +12,7 @@ See docs/pruning.md for the definitions and the MiniLM experiment.
 from hdi_monitor.ablation._hooks import head_output_means
 from hdi_monitor.ablation.ablate import AblationMode, ablate_heads
 from hdi_monitor.ablation.importance import head_importance
+from hdi_monitor.ablation.prune import PRUNE_LAYOUTS, PruneLayout, count_parameters, prune_heads
 from hdi_monitor.ablation.ranking import (
     Ranking,
     combined_ranking,
@@ -24,15 +25,19 @@ from hdi_monitor.ablation.ranking import (
 )
 
 __all__ = [
+    "PRUNE_LAYOUTS",
     "AblationMode",
+    "PruneLayout",
     "Ranking",
     "ablate_heads",
     "combined_ranking",
+    "count_parameters",
     "head_importance",
     "head_output_means",
     "head_similarity",
     "importance_ranking",
     "layer_head_counts",
+    "prune_heads",
     "random_ranking",
     "redundancy_ranking",
     "select_heads",
