@@ -154,10 +154,9 @@ def test_ablation_restores_the_model_also_on_exceptions(family):
     hooks_before = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
     fastpath = torch.backends.mha.get_fastpath_enabled()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(RuntimeError, match="boom"):
-        with torch.no_grad(), ablate_heads(model, {layer.name: [0, 1]}):
-            assert (_run(model, batch) - before).abs().max() > 1e-3
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad(), ablate_heads(model, {layer.name: [0, 1]}):
+        assert (_run(model, batch) - before).abs().max() > 1e-3
+        raise RuntimeError("boom")
     with torch.no_grad():
         after = _run(model, batch)
     assert torch.equal(after, before)
@@ -183,18 +182,14 @@ def test_head_output_means_match_masked_average():
 def test_ablation_rejects_bad_input():
     model = _build("bert")
     name = find_attention_layers(model)[0].name
-    with pytest.raises(ValueError, match="no attention layer named 'nope'"):
-        with ablate_heads(model, {"nope": [0]}):
-            pass
-    with pytest.raises(ValueError, match=r"out of range \(the layer has 4 heads"):
-        with ablate_heads(model, {name: [4]}):
-            pass
-    with pytest.raises(ValueError, match="needs means"):
-        with ablate_heads(model, {name: [0]}, "mean"):
-            pass
-    with pytest.raises(ValueError, match="mode must be"):
-        with ablate_heads(model, {name: [0]}, "drop"):  # type: ignore[arg-type]
-            pass
+    with pytest.raises(ValueError, match="no attention layer named 'nope'"), ablate_heads(model, {"nope": [0]}):
+        pass
+    with pytest.raises(ValueError, match=r"out of range \(the layer has 4 heads"), ablate_heads(model, {name: [4]}):
+        pass
+    with pytest.raises(ValueError, match="needs means"), ablate_heads(model, {name: [0]}, "mean"):
+        pass
+    with pytest.raises(ValueError, match="mode must be"), ablate_heads(model, {name: [0]}, "drop"):  # type: ignore[arg-type]
+        pass
 
 
 # ------------------------------------------------------------------------------------- importance
@@ -313,7 +308,12 @@ def test_similarity_output_correlation_view_matches_hand_computation():
 
 
 def test_importance_combined_random_and_selection():
-    from hdi_monitor.ablation import combined_ranking, importance_ranking, random_ranking, select_heads
+    from hdi_monitor.ablation import (
+        combined_ranking,
+        importance_ranking,
+        random_ranking,
+        select_heads,
+    )
 
     imp = {"a": torch.tensor([0.5, 0.1, 0.9]), "b": torch.tensor([0.2, 0.05])}
     order = importance_ranking(imp)

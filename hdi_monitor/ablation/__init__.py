@@ -12,7 +12,12 @@ See docs/pruning.md for the definitions and the MiniLM experiment.
 from hdi_monitor.ablation._hooks import head_output_means
 from hdi_monitor.ablation.ablate import AblationMode, ablate_heads
 from hdi_monitor.ablation.importance import head_importance
-from hdi_monitor.ablation.prune import PRUNE_LAYOUTS, PruneLayout, count_parameters, prune_heads
+from hdi_monitor.ablation.prune import (
+    PRUNE_LAYOUTS,
+    PruneLayout,
+    count_parameters,
+    prune_heads,
+)
 from hdi_monitor.ablation.ranking import (
     Ranking,
     combined_ranking,

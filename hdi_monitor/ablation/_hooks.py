@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 from hdi_monitor.adapters import AttentionLayer, find_attention_layers
 from hdi_monitor.capture import batch_mask, call_model, eval_mode, iter_batches
 
-__all__ = ["edit_head_outputs", "head_output_means", "output_module", "resolve_layers", "check_heads"]
+__all__ = ["check_heads", "edit_head_outputs", "head_output_means", "output_module", "resolve_layers"]
 
 Edit = Callable[[Tensor], Tensor]
 """``edit(o) -> o'`` on ``(..., H * d)`` concatenated head outputs."""
@@ -157,6 +158,10 @@ def gate_edit(gate: Tensor, num_heads: int) -> Edit:
     return edit
 
 
+def _collect_into(collect: Callable[..., None], name: str, mask: Tensor | None, o: Tensor, keep: Tensor | None) -> None:
+    collect(name, mask, o, keep)
+
+
 def head_output_means(
     model: nn.Module, batches: Any, *, layers: Sequence[AttentionLayer] | None = None
 ) -> dict[str, Tensor]:
@@ -198,7 +203,7 @@ def head_output_means(
             try:
                 for name, layer in by_name.items():
                     mask = batch_mask(batch, layer.mask_key)
-                    handles.append(layer.attach_output_hook(lambda o, k, n=name, m=mask: collect(n, m, o, k)))
+                    handles.append(layer.attach_output_hook(partial(_collect_into, collect, name, mask)))
                 call_model(model, batch)
             finally:
                 for h in handles:

@@ -8,8 +8,14 @@ from typing import Literal
 
 from torch import Tensor, nn
 
+from hdi_monitor.ablation._hooks import (
+    check_heads,
+    edit_head_outputs,
+    mean_edit,
+    resolve_layers,
+    zero_edit,
+)
 from hdi_monitor.adapters import AttentionLayer
-from hdi_monitor.ablation._hooks import check_heads, edit_head_outputs, mean_edit, resolve_layers, zero_edit
 
 __all__ = ["AblationMode", "ablate_heads"]
 

@@ -133,7 +133,7 @@ def sweep(
     rows = []
     for name, order in rankings.items():
         for f in fractions:
-            k = min(int(round(f * total)), removable)
+            k = min(round(f * total), removable)
             chosen = select_heads(order, k, counts)
             with ablate_heads(model, chosen, layers=layers):
                 ablated = embed(model, heldout)

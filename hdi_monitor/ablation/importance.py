@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hdi_monitor.adapters import AttentionLayer
 from hdi_monitor.ablation._hooks import edit_head_outputs, gate_edit, resolve_layers
+from hdi_monitor.adapters import AttentionLayer
 from hdi_monitor.capture import eval_mode, iter_batches
 
 __all__ = ["head_importance"]

@@ -10,13 +10,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from hdi_monitor.adapters import AttentionLayer, find_attention_layers
 from hdi_monitor.ablation._hooks import check_heads, resolve_layers
+from hdi_monitor.adapters import AttentionLayer, find_attention_layers
 
 __all__ = ["PRUNE_LAYOUTS", "PruneLayout", "count_parameters", "prune_heads"]
 
@@ -102,7 +102,7 @@ def _set_param(module: nn.Module, name: str, value: Tensor) -> None:
     setattr(module, name, nn.Parameter(value.clone().contiguous(), requires_grad=old.requires_grad))
 
 
-def _keep_out(module: nn.Module, idx: Tensor, conv1d: bool) -> None:
+def _keep_out(module: Any, idx: Tensor, conv1d: bool) -> None:
     """Keep output features ``idx`` (rows of a Linear, columns of a Conv1D) and their bias."""
     w = module.weight.detach()
     _set_param(module, "weight", w[:, idx] if conv1d else w[idx])
@@ -114,7 +114,7 @@ def _keep_out(module: nn.Module, idx: Tensor, conv1d: bool) -> None:
         module.out_features = int(idx.numel())
 
 
-def _keep_in(module: nn.Module, idx: Tensor, conv1d: bool) -> None:
+def _keep_in(module: Any, idx: Tensor, conv1d: bool) -> None:
     """Keep input features ``idx`` (columns of a Linear, rows of a Conv1D)."""
     w = module.weight.detach()
     _set_param(module, "weight", w[idx] if conv1d else w[:, idx])
@@ -150,7 +150,7 @@ def _check_layout(layer: AttentionLayer) -> PruneLayout:
             raise ValueError(f"{layer.name}: family {layer.family!r} layout expects a child {path!r}") from None
         w = getattr(child, "weight", None)
         if callable(getattr(w, "full_tensor", None)):
-            raise ValueError(f"{layer.name}: {path} is sharded (DTensor); prune the unsharded model")
+            raise ValueError(f"{layer.name}: {path} is sharded (DTensor); prune the unsharded model")  # noqa: TRY004
         if layout.conv1d != (type(child).__name__ == "Conv1D"):
             kind = "Conv1D" if layout.conv1d else "nn.Linear"
             raise ValueError(f"{layer.name}: family {layer.family!r} pruning expects {path} to be a {kind}, got {type(child).__name__}")

@@ -38,8 +38,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from hdi_monitor.adapters import AttentionLayer
 from hdi_monitor.ablation._hooks import resolve_layers
+from hdi_monitor.adapters import AttentionLayer
 
 __all__ = [
     "Ranking",

@@ -106,7 +106,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, reference: tuple[fl
 
 
 def _split(batches: list[Any], holdout: float) -> tuple[list[Any], list[Any]]:
-    n_hold = int(round(len(batches) * holdout))
+    n_hold = round(len(batches) * holdout)
     n_hold = min(max(n_hold, 1), len(batches) - 1)
     return batches[: len(batches) - n_hold], batches[len(batches) - n_hold :]
 
@@ -132,7 +132,12 @@ def run(args: argparse.Namespace) -> int:
         redundancy_ranking,
         select_heads,
     )
-    from hdi_monitor.ablation.fidelity import embed, pair_contrastive_loss, sweep, time_forward
+    from hdi_monitor.ablation.fidelity import (
+        embed,
+        pair_contrastive_loss,
+        sweep,
+        time_forward,
+    )
     from hdi_monitor.capture import iter_batches
     from hdi_monitor.commands.report import find_layers, load_inputs, load_model
 
@@ -176,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     rows = sweep(model, heldout, orders, fractions, layers=layers)
 
     first = rankings_wanted[0]
-    k = min(int(round(args.fraction * total)), total - len(counts))
+    k = min(round(args.fraction * total), total - len(counts))
     chosen = select_heads(orders[first], k, counts)
     pruned_info: dict[str, Any] = {"ranking": first, "fraction": args.fraction, "removed": k}
     try:
