@@ -263,7 +263,11 @@ def _spectral_overlap(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_similarity_and_ranking_find_planted_duplicate_heads():
-    from hdi_monitor.ablation import head_similarity, redundancy_ranking
+    from hdi_monitor.ablation import (
+        head_similarity,
+        redundancy_ranking,
+        redundancy_scores,
+    )
 
     model = _planted_bert()
     layers = find_attention_layers(model)
@@ -277,6 +281,14 @@ def test_similarity_and_ranking_find_planted_duplicate_heads():
     off = ~torch.eye(H, dtype=torch.bool)
     assert sim[layers[0].name][off].max() < 0.9
     order = redundancy_ranking(sim)
+    scores = redundancy_scores(sim)
+    assert [(n, h) for n, h, _ in scores] == order
+    assert scores[0][2] == pytest.approx(1.0, abs=1e-6)
+    # brute force: the second score is the largest r_h over all layers once the first head is gone
+    rest = {lay.name: [h for h in range(H) if (lay.name, h) != order[0]] for lay in layers}
+    brute = max(float(sim[n][h, j]) for n, hs in rest.items() for h in hs for j in hs if j != h)
+    assert scores[1][2] == pytest.approx(brute, abs=1e-6)
+    assert brute < 0.99
     assert order[0][0] == l1.name and order[0][1] in (1, 3)
     twin = 4 - order[0][1]  # 1 <-> 3
     # once one copy is gone the other is no more redundant than the ordinary heads

@@ -26,6 +26,7 @@ from hdi_monitor.ablation.ranking import (
     layer_head_counts,
     random_ranking,
     redundancy_ranking,
+    redundancy_scores,
     select_heads,
 )
 
@@ -45,5 +46,6 @@ __all__ = [
     "prune_heads",
     "random_ranking",
     "redundancy_ranking",
+    "redundancy_scores",
     "select_heads",
 ]

@@ -49,6 +49,7 @@ __all__ = [
     "layer_head_counts",
     "random_ranking",
     "redundancy_ranking",
+    "redundancy_scores",
     "select_heads",
 ]
 
@@ -114,9 +115,17 @@ def head_similarity(
 
 def redundancy_ranking(similarity: Mapping[str, Tensor]) -> Ranking:
     """Greedy removal order by redundancy ``r_h(S) = max_{j in S, j != h} s_ij`` (module docstring)."""
+    return [(name, h) for name, h, _ in redundancy_scores(similarity)]
+
+
+def redundancy_scores(similarity: Mapping[str, Tensor]) -> list[tuple[str, int, float]]:
+    """The greedy order of :func:`redundancy_ranking` with each head's ``r_h(S)`` when it was removed.
+
+    Each layer's last head comes at the end with score NaN (no other head is left to cover it).
+    """
     names = list(similarity)
     remaining = {n: list(range(similarity[n].shape[0])) for n in names}
-    order: Ranking = []
+    order: list[tuple[str, int, float]] = []
     while True:
         best: tuple[float, int, int] | None = None  # (-score, layer position, head)
         for pos, name in enumerate(names):
@@ -132,10 +141,10 @@ def redundancy_ranking(similarity: Mapping[str, Tensor]) -> Ranking:
                     best = key
         if best is None:
             break
-        _, pos, h = best
-        order.append((names[pos], h))
+        neg, pos, h = best
+        order.append((names[pos], h, -neg))
         remaining[names[pos]].remove(h)
-    order.extend((n, remaining[n][0]) for n in names if remaining[n])
+    order.extend((n, remaining[n][0], float("nan")) for n in names if remaining[n])
     return order
 
 
