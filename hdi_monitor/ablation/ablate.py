@@ -44,7 +44,8 @@ def ablate_heads(
     On exit, also on an exception, every hook is removed and the model is as it was: no parameter,
     buffer or flag is changed. Gradients flow through the edited outputs; for
     ``nn.MultiheadAttention`` the correction term is computed from detached weights (ablation there
-    is for evaluation, not training).
+    is for evaluation, not training), and the attention weights the module returns with
+    ``need_weights=True`` are its own (ablation edits head outputs, not attention patterns).
 
     Args:
         model: the model.
