@@ -36,7 +36,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from hdi_monitor.adapters.base import Adapter, AdapterMismatch, AttentionLayer, WeightSource
-from hdi_monitor.adapters.weights import in_features, is_conv1d, is_projection, linear_weight, out_features
+from hdi_monitor.adapters.weights import base_layer, in_features, is_conv1d, is_projection, linear_weight, out_features
 
 __all__ = [
     "FUSED_NAMES",
@@ -437,7 +437,7 @@ LAYOUTS: tuple[Layout, ...] = (
            classes=r"(GPT2|DecisionTransformerGPT2|ImageGPT)Attention", when=_cross,
            used_by="GPT-2 cross-attention (query in q_attn, [k|v] in c_attn)"),
     Layout("gpt2", "c_proj", qkv="c_attn", packing="contiguous", classes=r"\w+",
-           when=lambda m: is_conv1d(getattr(m, "c_attn", None)) and not _cross(m),
+           when=lambda m: is_conv1d(base_layer(getattr(m, "c_attn", None))) and not _cross(m),
            used_by="GPT-2 and its copies (Conv1D c_attn, transposed weights)"),
     Layout("gpt2", "c_proj", qkv="c_attn", packing="contiguous", classes=r"\w+",
            when=lambda m: _has_n_head(m) and isinstance(getattr(m, "c_attn", None), nn.Module) and not _cross(m),

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from hdi_monitor.adapters.base import AdapterMismatch, full_weight
 
-__all__ = ["in_features", "is_conv1d", "is_lora", "is_projection", "linear_weight", "out_features"]
+__all__ = ["base_layer", "in_features", "is_conv1d", "is_lora", "is_projection", "linear_weight", "out_features"]
 
 
 def is_conv1d(m: Any) -> bool:
@@ -69,8 +69,12 @@ def is_projection(m: Any) -> bool:
     return isinstance(m, nn.Linear) or is_conv1d(m)
 
 
-def _base(m: nn.Module) -> nn.Module:
+def base_layer(m: Any) -> Any:
+    """The module a peft LoRA layer wraps (``m`` itself for any other module)."""
     return m.base_layer if _is_peft_lora(m) else m
+
+
+_base = base_layer
 
 
 def out_features(m: nn.Module) -> int:
