@@ -174,7 +174,9 @@ def _call_for(cap: Captured, layer: AttentionLayer) -> KernelCall | None:
 def _normed(layer: AttentionLayer, which: str, per_head: Tensor, heads: int) -> Tensor:
     """Apply the module's own q/k norm (per head, or over all heads) to ``(B, heads, d)``."""
     mod = layer.module
-    norm = getattr(mod, f"{which}_norm", None)
+    names = {"q": ("q_norm", "q_layernorm", "query_layernorm", "query_norm", "qk_norm"),
+             "k": ("k_norm", "k_layernorm", "key_layernorm", "key_norm", "qk_norm")}[which]
+    norm = next((getattr(mod, n) for n in names if isinstance(getattr(mod, n, None), nn.Module)), None)
     if norm is None:
         return per_head
     w = getattr(norm, "weight", None)
@@ -237,8 +239,10 @@ def _check_one(lay, cap: Captured, outs, out_call, atol: float) -> str:
         ref = t[:, :, 0].float()  # (B, H_t, d)
         if lay.family == "mla":
             # MLA: the kernel's key is [k_nope | k_rope]; the shared RoPE part is left out of the extraction.
+            # The query's RoPE part may be stored interleaved (rope_interleave): compare the no-RoPE part.
             # Latents pass an RMS norm: equal up to one positive scalar per token across all heads.
-            ref = ref[..., : mine.shape[-1]]
+            nope = lay.projection_dims["key"]
+            ref, mine = ref[..., :nope], mine[..., :nope]
             mine = mine / mine.flatten(1).norm(dim=1)[:, None, None]
             ref = ref / ref.flatten(1).norm(dim=1)[:, None, None]
         if ref.shape[1] != mine.shape[1]:
@@ -246,23 +250,32 @@ def _check_one(lay, cap: Captured, outs, out_call, atol: float) -> str:
                 problems.append(f"{proj}: kernel has {ref.shape[1]} heads, extraction {mine.shape[1]}")
                 continue
             mine = mine[:, [lay.kv_head(h) for h in range(lay.num_heads)]]  # module repeated k/v itself
-        scale = getattr(lay.module, "scaling", None)
-        if proj == "query" and isinstance(scale, float) and not _close(mine, ref, atol):
-            mine = mine * scale  # some modules (OPT, Whisper) scale q before the kernel: same subspace
+        if proj in ("query", "key") and mine.shape == ref.shape and not _close(mine, ref, atol):
+            # some modules scale q (OPT, Whisper: by 1/sqrt(d)) or q and k (YaRN rotary attention_scaling)
+            # before the kernel: one positive constant, the same subspace
+            c = float((mine * ref).sum() / (mine * mine).sum().clamp_min(1e-30))
+            if c > 0:
+                mine = mine * c
         if not _close(mine, ref, atol):
             err = (mine - ref).abs().max().item() if mine.shape == ref.shape else float("nan")
             problems.append(f"{proj}: max error {err:.2e}")
+    gated = False
     if not outs:
         problems.append("output hook never fired")
     else:
         o = outs[-1]
         if call.out is not None:
             ref = rearrange(call.out, "b t h d -> b t (h d)")
-            if not _close(o, ref, atol):
-                problems.append("hooked o differs from the kernel output")
+            # an elementwise output gate (o * sigmoid(g), Qwen3-Next style) sits between the kernel and the
+            # out-projection: the hooked o is then the gated head output, still one slot per head
+            gated = not _close(o, ref, atol)
         if out_call is not None:
             w_o = lay.head_weights("output").float()
             got = torch.einsum("bthd,hmd->btm", rearrange(o.float(), "b t (h d) -> b t h d", h=lay.num_heads), w_o)
             if not _close(got, out_call[1], atol):
                 problems.append("sum_h W_O,h o_h differs from the output projection")
-    return "ok" if not problems else "; ".join(problems)
+    if problems:
+        return "; ".join(problems)
+    if gated:
+        return "ok (gated head outputs)" if out_call is not None else "hooked o differs from the kernel output"
+    return "ok"

@@ -17,7 +17,7 @@ from hdi_monitor.adapters.base import (
     _parameters_not_ready,
     registered_adapters,
 )
-from hdi_monitor.adapters.layouts import FUSED_NAMES, ROOT_CONFIG, fused_refusal
+from hdi_monitor.adapters.layouts import FUSED_NAMES, ROOT_CONFIG, class_refusal, fused_refusal
 from hdi_monitor.adapters.spec import AttentionSpec, as_specs
 
 __all__ = ["Discovery", "discover_attention", "find_attention_layers", "skipped_message", "unwrapped_name"]
@@ -157,6 +157,12 @@ def _walk(
         inside = None
         name = unwrapped_name(raw_name)
         hit = next((i for i, s in enumerate(specs) if s.matches(name, module)), None)
+        refused = class_refusal(module) if hit is None else None
+        if refused is not None:
+            skipped.append(SkippedModule(name, type(module).__name__, refused))
+            inside = raw_name
+            claimed.append(raw_name)
+            continue
         if hit is not None:
             spec_hits[hit] += 1
             build, family = partial(specs[hit].build, root_config=root_config), specs[hit].family

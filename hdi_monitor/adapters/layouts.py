@@ -45,7 +45,9 @@ __all__ = [
     "Layout",
     "PACKINGS",
     "Packing",
+    "REFUSED",
     "build_layer",
+    "class_refusal",
     "default_mask_key",
     "fused_refusal",
     "is_vision_module",
@@ -389,6 +391,22 @@ def build_layer(
     )
 
 
+#: Classes that look like a known layout but compute attention differently: refused with the reason.
+REFUSED: tuple[tuple[str, str], ...] = (
+    (r"DiffLlama\w*Attention", "differential attention pairs heads (two softmax maps per value head); its heads are "
+                              "not q/k/v row blocks. Not measured; describe the heads you mean with an AttentionSpec"),
+)
+
+
+def class_refusal(module: nn.Module) -> str | None:
+    """The refusal message for a class known not to fit its look-alike layout, else None."""
+    cls = type(module).__name__
+    for pattern, reason in REFUSED:
+        if re.fullmatch(pattern, cls):
+            return f"{cls}: {reason}"
+    return None
+
+
 def fused_refusal(name: str, module: nn.Module) -> str | None:
     """The refusal message for a module with a fused q/k/v child whose layout no entry knows, else None."""
     for child in FUSED_NAMES:
@@ -460,6 +478,15 @@ LAYOUTS: tuple[Layout, ...] = (
            used_by="Bloom"),
     Layout("phi3", "o_proj", qkv="qkv_proj", packing="contiguous", classes=r"Phi3\w*Attention",
            used_by="Phi-3 (fused qkv_proj, GQA)"),
+    Layout("vision_qkv", "proj", qkv="qkv", packing="contiguous", module_prefix="transformers.", masked=False,
+           classes=r"(CohereCompass|Dots3Note|Ernie4_5_VLMoe|Glm4vMoe|Glm4v|Glm5Next|GlmImage|GlmOcr|Qwen2_5_VL|"
+                   r"Qwen3OmniMoe|Qwen3VLMoe|Qwen3VL|Qwen3_5Moe|Qwen3_5|Qwen4Exp)VisionAttention|Sam2MultiScaleAttention|"
+                   r"VitDetAttention|\w*SamVision(Sdpa)?Attention|GotOcr2Vision(Sdpa)?Attention",
+           used_by="Qwen2/2.5/3-VL, GLM-4V, SAM, SAM 2, GOT-OCR2 and VitDet vision towers (qkv reshaped (3, H, d))"),
+    Layout("vision_qkv", "proj", qkv="qkv", packing="contiguous", classes=r"VisionAttention",
+           module_prefix="transformers.models.qwen2_vl", masked=False, used_by="Qwen2-VL vision tower"),
+    Layout("blip", "projection", qkv="qkv", packing="contiguous", classes=r"(Blip2|InstructBlip|InstructBlipVideo)Attention",
+           masked=False, used_by="BLIP-2 / InstructBLIP vision towers"),
     Layout("litgpt", "proj", qkv="qkv", packing="contiguous", classes=r"CausalSelfAttention",
            module_prefix="litgpt", used_by="litgpt GPT (n_query_groups GQA)"),
     Layout("t5", "o", "q", "k", "v", used_by="T5, mT5, UMT5 (encoder, decoder self- and cross-attention)"),
