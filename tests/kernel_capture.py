@@ -250,9 +250,9 @@ def _check_one(lay, cap: Captured, outs, out_call, atol: float) -> str:
                 problems.append(f"{proj}: kernel has {ref.shape[1]} heads, extraction {mine.shape[1]}")
                 continue
             mine = mine[:, [lay.kv_head(h) for h in range(lay.num_heads)]]  # module repeated k/v itself
-        if proj in ("query", "key") and mine.shape == ref.shape and not _close(mine, ref, atol):
-            # some modules scale q (OPT, Whisper: by 1/sqrt(d)) or q and k (YaRN rotary attention_scaling)
-            # before the kernel: one positive constant, the same subspace
+        if mine.shape == ref.shape and not _close(mine, ref, atol):
+            # some modules scale q (OPT, Whisper: by 1/sqrt(d)), q and k (YaRN rotary attention_scaling) or v
+            # (MiMo's value scale) before the kernel: one positive constant, the same subspace
             c = float((mine * ref).sum() / (mine * mine).sum().clamp_min(1e-30))
             if c > 0:
                 mine = mine * c

@@ -145,6 +145,12 @@ CASES = [
     Case("gemma3_mm", _c("Gemma3Config", text_config={"model_type": "gemma3_text", **_llama_kw(head_dim=8)},
                          vision_config={"model_type": "siglip_vision_model", **{**_VISION, "patch_size": 4}},
                          mm_tokens_per_image=4, image_token_index=60), gemma3_batch, {"llama", "bart", "torch_mha"}),
+    Case("modernbert", _c("ModernBertConfig", vocab_size=V, hidden_size=D, num_hidden_layers=2, num_attention_heads=H,
+                          intermediate_size=37, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                          sep_token_id=2), ids_batch, {"modernbert"}),
+    Case("persimmon", _c("PersimmonConfig", vocab_size=V, hidden_size=D, num_hidden_layers=2, num_attention_heads=H,
+                         intermediate_size=37), ids_batch, {"persimmon"}),
+    Case("ctrl", _c("CTRLConfig", vocab_size=V, n_embd=D, n_layer=2, n_head=H, dff=37), ids_batch, {"ctrl"}),
     # families that worked before, now also against the kernel
     Case("bert", _c("BertConfig", vocab_size=V, hidden_size=D, num_hidden_layers=2, num_attention_heads=H,
                     intermediate_size=37), ids_batch, {"bert"}),
