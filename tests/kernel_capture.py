@@ -157,7 +157,10 @@ def _inputs_hook(cap: Captured, layer: AttentionLayer):
         kv = kwargs.get("key_value_states", kwargs.get("encoder_hidden_states"))
         if kv is None and len(args) > 1 and isinstance(args[1], Tensor) and args[1].shape[-1] == x.shape[-1]:
             kv = None  # positional second args are masks/embeddings in HF modules
-        cap.inputs[id(layer.module)] = (x.detach(), (x if kv is None else kv).detach())
+        kv = x if kv is None else kv
+        if x.dim() == 2:  # unbatched (tokens, D): Qwen-VL vision towers
+            x, kv = x[None], kv[None]
+        cap.inputs[id(layer.module)] = (x.detach(), kv.detach())
 
     return layer.module.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -264,6 +267,9 @@ def _check_one(lay, cap: Captured, outs, out_call, atol: float) -> str:
         problems.append("output hook never fired")
     else:
         o = outs[-1]
+        if o.dim() == 2:
+            o = o[None]
+            out_call = None if out_call is None else (out_call[0][None], out_call[1][None])
         if call.out is not None:
             ref = rearrange(call.out, "b t h d -> b t (h d)")
             # an elementwise output gate (o * sigmoid(g), Qwen3-Next style) sits between the kernel and the

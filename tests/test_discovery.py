@@ -281,3 +281,23 @@ def test_two_tower_text_image_model_runs_with_activations():
     assert all(lay.num_tokens for lay in report.layers)
     text = next(lay for lay in report.layers if lay.name.startswith("text"))
     assert text.num_tokens == 2 * 7
+
+
+def test_qwen2_vl_vision_tower_fused_qkv_against_its_kernel():
+    """The vision tower's qkv is reshaped (tokens, 3, H, d): contiguous, tied to its classes."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2VLConfig(
+        text_config=dict(vocab_size=V, hidden_size=D, num_hidden_layers=1, num_attention_heads=H, num_key_value_heads=2,
+                         intermediate_size=37, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2],
+                                                                "rope_theta": 10000.0}),
+        vision_config=dict(depth=2, embed_dim=D, hidden_size=D, num_heads=H, mlp_ratio=2, patch_size=4,
+                           temporal_patch_size=2, spatial_merge_size=2, in_channels=3))
+    model = transformers.Qwen2VLModel(cfg).eval()
+    zero_biases(model)
+    found = _quiet(discover_attention, model)
+    assert [lay.family for lay in found.layers] == ["vision_qkv", "vision_qkv", "llama"] and found.skipped == []
+    vision = found.layers[:2]
+    assert all(lay.mask_key is None for lay in vision)
+    pixels = torch.randn(16, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(0))
+    result = run_and_check(model, vision, lambda: model.visual(pixels, grid_thw=torch.tensor([[1, 4, 4]])))
+    assert result == {lay.name: "ok" for lay in vision}

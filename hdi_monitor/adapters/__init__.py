@@ -3,8 +3,9 @@
 Built-in families, tried in this order (the first that matches a module wins and its descendants
 are not searched): ``torch_mha`` and ``mla`` (code), then the declarative layout table
 (:data:`hdi_monitor.adapters.layouts.LAYOUTS`: ``timm_vit``, ``vit``, ``bert``, ``deberta``,
-``gpt2``, ``gpt_bigcode``, ``falcon``, ``gpt_neox``, ``bloom``, ``phi3``, ``litgpt``, ``t5``,
-``llama``, ``bart``, ``phi``, ``distilbert``, ``albert``, ``x_transformers``, ``wqkvo``). Modules
+``gpt2``, ``gpt_bigcode``, ``falcon``, ``gpt_neox``, ``bloom``, ``phi3``, ``vision_qkv``, ``blip``,
+``modernbert``, ``persimmon``, ``litgpt``, ``t5``, ``llama``, ``bart``, ``phi``, ``conformer``,
+``ctrl``, ``bert_attention``, ``distilbert``, ``albert``, ``x_transformers``, ``wqkvo``). Modules
 are recognised by class and attribute structure, so neither ``transformers`` nor ``timm`` is
 imported. User specs are tried before all of them; add a family with :func:`register_adapter`.
 """

@@ -45,6 +45,7 @@ __all__ = [
     "Layout",
     "PACKINGS",
     "Packing",
+    "ROOT_CONFIG",
     "REFUSED",
     "build_layer",
     "class_refusal",
@@ -154,6 +155,8 @@ def resolve_heads(
             raise AdapterMismatch(
                 f"{name}: {cls}: {num_heads} heads x head_dim {head_dim} != {inner} head-output features"
             )
+    elif num_heads is None and head_dim is not None:
+        raise AdapterMismatch(f"{name}: {cls}: {inner} head-output features are not a multiple of head_dim {head_dim}")
     elif num_heads is not None:
         if inner % num_heads:
             raise AdapterMismatch(f"{name}: {cls}: {inner} head-output features do not split into {num_heads} heads")
@@ -321,7 +324,6 @@ def build_layer(
     head_dim: int | None = None,
     mask_key: str | None | Literal["auto"] = "auto",
     family: str | None = None,
-    layer_cls: type[AttentionLayer] = AttentionLayer,
 ) -> AttentionLayer:
     """Build the layer of ``module`` under ``layout`` (see :func:`resolve_heads` for the head counts)."""
     out_mod = _get(module, layout.output)
@@ -376,7 +378,7 @@ def build_layer(
     weights["output"] = _source(module, layout.output)
     if mask_key == "auto":
         mask_key = default_mask_key(name, module, root_config) if layout.masked else None
-    return layer_cls(
+    return AttentionLayer(
         name,
         module,
         family=family or layout.family,
