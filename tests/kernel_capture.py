@@ -190,6 +190,22 @@ def _normed(layer: AttentionLayer, which: str, per_head: Tensor, heads: int) -> 
     return rearrange(full, "b (h d) -> b h d", h=heads)
 
 
+def _projection_children(layer: AttentionLayer) -> dict[str, nn.Module]:
+    """The child module each of q/k/v reads from, found by weight storage (fused children included)."""
+    out = {}
+    for proj in ("query", "key", "value"):
+        try:
+            ptr = layer.head_weights(proj).untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            continue
+        for m in layer.module.modules():
+            w = getattr(m, "weight", None)
+            if m is not layer.module and isinstance(w, Tensor) and w.untyped_storage().data_ptr() == ptr:
+                out[proj] = m
+                break
+    return out
+
+
 def run_and_check(
     model: nn.Module,
     layers: list[AttentionLayer],
@@ -204,6 +220,14 @@ def run_and_check(
     outs: dict[str, list[Tensor]] = {}
     out_calls: dict[str, tuple[Tensor, Tensor]] = {}
     handles = [_inputs_hook(cap, lay) for lay in layers]
+    child_inputs: dict[tuple[str, str], Tensor] = {}
+    for lay in layers:
+        for proj, child in _projection_children(lay).items():
+            def pre(_m, args, n=lay.name, p=proj):
+                x = args[0].detach()
+                child_inputs[(n, p)] = x[None] if x.dim() == 2 else x
+
+            handles.append(child.register_forward_pre_hook(pre))
     for lay in layers:
         handles.append(lay.attach_output_hook(lambda o, keep, n=lay.name: outs.setdefault(n, []).append(o)))
         if lay.output_module is not None:
@@ -217,14 +241,18 @@ def run_and_check(
     finally:
         for h in handles:
             h.remove()
-    return {lay.name: _check_one(lay, cap, outs.get(lay.name), out_calls.get(lay.name), atol) for lay in layers}
+    return {
+        lay.name: _check_one(lay, cap, outs.get(lay.name), out_calls.get(lay.name), atol,
+                             {p: x for (n, p), x in child_inputs.items() if n == lay.name})
+        for lay in layers
+    }
 
 
 def _close(a: Tensor, b: Tensor, atol: float) -> bool:
     return a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=atol, rtol=1e-4)
 
 
-def _check_one(lay, cap: Captured, outs, out_call, atol: float) -> str:
+def _check_one(lay, cap: Captured, outs, out_call, atol: float, inputs: dict[str, Tensor]) -> str:
     call = _call_for(cap, lay)
     if call is None:
         return "no kernel call"
@@ -235,6 +263,8 @@ def _check_one(lay, cap: Captured, outs, out_call, atol: float) -> str:
     problems = []
     for proj, which, t, src in (("query", "q", call.q, x0), ("key", "k", call.k, kv_in[:, 0].float()),
                                 ("value", "v", call.v, kv_in[:, 0].float())):
+        if proj in inputs:  # what the projection child itself read (pre-norms, position embeddings included)
+            src = inputs[proj][:, 0].float()
         w = lay.head_weights(proj).float()  # (h, D_in, d)
         mine = torch.einsum("bm,hmd->bhd", src, w)
         if which in ("q", "k"):
