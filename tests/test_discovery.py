@@ -301,3 +301,37 @@ def test_qwen2_vl_vision_tower_fused_qkv_against_its_kernel():
     pixels = torch.randn(16, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(0))
     result = run_and_check(model, vision, lambda: model.visual(pixels, grid_thw=torch.tensor([[1, 4, 4]])))
     assert result == {lay.name: "ok" for lay in vision}
+
+
+def test_head_counts_come_from_the_weights_where_a_config_disagrees():
+    """An unused config attribute (num_key_value_heads of a config whose modules ignore it) yields to the
+    weights; the same count as an attribute of the module itself is a contradiction and is named."""
+
+    class Cfg:
+        num_attention_heads, num_key_value_heads = H, 2
+
+    class SelfAttention(nn.Module):
+        def __init__(self, kv_attr: int | None = None):
+            super().__init__()
+            self.config = Cfg()
+            if kv_attr is not None:
+                self.num_key_value_heads = kv_attr
+            self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(D, D) for _ in range(4))
+
+    (lay,) = _quiet(find_attention_layers, nn.ModuleDict({"a": SelfAttention()}))
+    assert (lay.num_heads, lay.num_kv_heads, lay.head_dim) == (H, H, D // H)
+    found = discover_attention(nn.ModuleDict({"a": SelfAttention(), "b": SelfAttention(kv_attr=2)}))
+    assert [lay.name for lay in found.layers] == ["a"]
+    assert found.skipped[0].name == "b" and "2 key/value heads given, the weights have 4" in found.skipped[0].reason
+
+
+def test_linear_attention_is_refused_with_the_reason():
+    class KimiDeltaAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_heads = H
+            self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(D, D) for _ in range(4))
+
+    found = discover_attention(nn.ModuleDict({"mha": nn.MultiheadAttention(D, H), "lin": KimiDeltaAttention()}))
+    assert [lay.name for lay in found.layers] == ["mha"]
+    assert found.skipped[0].name == "lin" and "linear attention" in found.skipped[0].reason

@@ -185,7 +185,11 @@ def resolve_heads(
         kv = kv_rows // head_dim
     else:
         kv = num_kv_heads or heads
-    if num_kv_heads is not None and num_kv_heads != kv:
+    if num_kv_heads is not None and num_kv_heads != kv and not where.get("num_kv_heads", "").startswith(
+        ("config.", "model.config.")
+    ):
+        # given, or an attribute of the module itself: a contradiction. (A config attribute that the
+        # module does not use, e.g. num_key_value_heads of an encoder-decoder, yields to the weights.)
         raise AdapterMismatch(f"{name}: {cls}: {num_kv_heads} key/value heads given, the weights have {kv}")
     if heads % kv:
         raise AdapterMismatch(f"{name}: {cls}: {heads} query heads are not a multiple of {kv} key/value heads")
@@ -395,6 +399,8 @@ def build_layer(
 
 #: Classes that look like a known layout but compute attention differently: refused with the reason.
 REFUSED: tuple[tuple[str, str], ...] = (
+    (r"\w*(Delta|Linear|Lightning)\w*Attention", "linear attention (no softmax kernel over q/k); its heads are not "
+                                                 "the Nadaraya-Watson heads the HDI describes. Not measured"),
     (r"DiffLlama\w*Attention", "differential attention pairs heads (two softmax maps per value head); its heads are "
                               "not q/k/v row blocks. Not measured; describe the heads you mean with an AttentionSpec"),
 )
