@@ -486,6 +486,13 @@ LAYOUTS: tuple[Layout, ...] = (
            used_by="Bloom"),
     Layout("phi3", "o_proj", qkv="qkv_proj", packing="contiguous", classes=r"Phi3\w*Attention",
            used_by="Phi-3 (fused qkv_proj, GQA)"),
+    Layout("phi3", "o_proj", qkv="qkv_proj", packing="contiguous", classes=r"Phi4MultimodalAttention",
+           used_by="Phi-4-multimodal language model"),
+    Layout("mpt", "out_proj", qkv="Wqkv", packing="contiguous", classes=r"MptAttention", used_by="MPT"),
+    Layout("vision_qkv", "proj", qkv="qkv", packing="contiguous", classes=r"Exaone4_5_VisionAttention|MgpstrAttention",
+           masked=False, used_by="EXAONE 4.5 vision tower (split [q|k|v]), MGP-STR"),
+    Layout("vision_qkv", "output.dense", qkv="attention.qkv", packing="contiguous", classes=r"TimeSformerAttention",
+           heads_at="attention", masked=False, used_by="TimeSformer"),
     Layout("vision_qkv", "proj", qkv="qkv", packing="contiguous", module_prefix="transformers.", masked=False,
            classes=r"(CohereCompass|Dots3Note|Ernie4_5_VLMoe|Glm4vMoe|Glm4v|Glm5Next|GlmImage|GlmOcr|Qwen2_5_VL|"
                    r"Qwen3OmniMoe|Qwen3VLMoe|Qwen3VL|Qwen3_5Moe|Qwen3_5|Qwen4Exp)VisionAttention|Sam2MultiScaleAttention|"
