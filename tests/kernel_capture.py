@@ -90,7 +90,7 @@ def capture_kernels(model: nn.Module, cap: Captured) -> Iterator[Captured]:
             _record(cap, module, query, key, value, out)
             return out, weights
 
-        setattr(mod, "eager_attention_forward", eager)
+        mod.eager_attention_forward = eager
         undo.append(lambda _mod=mod, _fn=fn: setattr(_mod, "eager_attention_forward", _fn))
     for m in model.modules():
         cls = type(m).__name__

@@ -24,7 +24,7 @@ from hdi_monitor.report import DiversityReport
 
 sys.path.insert(0, os.path.dirname(__file__))
 from kernel_capture import run_and_check, zero_biases  # noqa: E402
-from test_families import CASES, build, gemma3_batch, llava_batch, text_image_batch  # noqa: E402
+from test_families import CASES, build, text_image_batch  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 D, H, V = 32, 4, 64

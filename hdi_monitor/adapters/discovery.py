@@ -121,7 +121,7 @@ def discover_attention(
         found, skipped, spec_hits = _walk(model, specs, adapters, root_config)
     finally:
         ROOT_CONFIG.reset(token)
-    unused = [s for s, hits in zip(specs, spec_hits) if not hits]
+    unused = [s for s, hits in zip(specs, spec_hits, strict=True) if not hits]
     cls = type(model).__name__
     if unused:
         raise ValueError(
