@@ -335,3 +335,21 @@ def test_linear_attention_is_refused_with_the_reason():
     found = discover_attention(nn.ModuleDict({"mha": nn.MultiheadAttention(D, H), "lin": KimiDeltaAttention()}))
     assert [lay.name for lay in found.layers] == ["mha"]
     assert found.skipped[0].name == "lin" and "linear attention" in found.skipped[0].reason
+
+
+def test_value_heads_narrower_than_query_heads():
+    """MiMo-style: query/key heads of width 8, value heads of width 4; each projection keeps its width."""
+
+    class NarrowValueAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_heads = H
+            self.q_proj, self.k_proj = nn.Linear(D, H * 8), nn.Linear(D, 2 * 8)
+            self.v_proj, self.o_proj = nn.Linear(D, 2 * 4), nn.Linear(H * 4, D)
+
+    model = NarrowValueAttention()
+    (lay,) = _quiet(find_attention_layers, nn.ModuleDict({"a": model}))
+    assert (lay.num_heads, lay.num_kv_heads, lay.head_dim) == (H, 2, 4)
+    assert lay.head_weights("query").shape == (H, D, 8) and lay.head_weights("key").shape == (2, D, 8)
+    torch.testing.assert_close(lay.head_weights("value")[1], model.v_proj.weight[4:8].T)
+    torch.testing.assert_close(lay.head_weights("output")[3], model.o_proj.weight[:, 12:16])

@@ -334,22 +334,18 @@ def build_layer(
     inner = in_features(out_mod)
     counts = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     weights: dict[str, WeightSource]
+    dims: dict[str, int] | None = None
     if layout.qkv is None:
         q, k, v = (_get(module, p) for p in (layout.query, layout.key, layout.value))  # type: ignore[arg-type]
-        if out_features(v) != out_features(k):
-            raise AdapterMismatch(
-                f"{name}: {type(module).__name__}: key ({out_features(k)}) and value ({out_features(v)}) widths differ"
+        if out_features(v) != out_features(k) or out_features(q) != inner:
+            heads, kv, d, dims = _split_widths(name, module, layout, q, k, v, inner, root_config, num_heads, num_kv_heads)
+        else:
+            heads, kv, d = resolve_heads(
+                name, module, inner=inner, kv_rows=out_features(k), heads_at=layout.heads_at, root_config=root_config,
+                **counts,
             )
-        if out_features(q) != inner:
-            raise AdapterMismatch(
-                f"{name}: {type(module).__name__}: query has {out_features(q)} outputs but the out-projection "
-                f"{layout.output!r} reads {inner}"
-            )
-        heads, kv, d = resolve_heads(
-            name, module, inner=inner, kv_rows=out_features(k), heads_at=layout.heads_at, root_config=root_config,
-            **counts,
-        )
-        weights = {p: _source(module, path) for p, path in zip(("query", "key", "value"), (layout.query, layout.key, layout.value))}
+        paths = (layout.query, layout.key, layout.value)
+        weights = {p: _source(module, path) for p, path in zip(("query", "key", "value"), paths, strict=True)}
     elif layout.cross_query is not None:
         fused_rows = out_features(_get(module, layout.qkv))
         if out_features(_get(module, layout.cross_query)) != inner or fused_rows % 2:
@@ -394,7 +390,34 @@ def build_layer(
         output_module=out_mod,
         mask_key=mask_key,
         kv_map=layout.kv_map,
+        projection_dims=dims,
     )
+
+
+def _split_widths(
+    name: str, module: nn.Module, layout: Layout, q: nn.Module, k: nn.Module, v: nn.Module, inner: int,
+    root_config: Any, num_heads: int | None, num_kv_heads: int | None,
+) -> tuple[int, int, int, dict[str, int]]:
+    """Query/key heads of width ``d_qk`` and value heads of width ``d_v != d_qk`` (MiMo, some speech
+    encoders): ``H`` must be known (given or an attribute); ``d_v`` is the out-projection's input / H."""
+    cls = type(module).__name__
+    heads = num_heads
+    if heads is None:
+        heads, _ = _lookup(_holders(module, layout.heads_at, root_config), HEADS_ATTRS)
+    q_rows, k_rows, v_rows = out_features(q), out_features(k), out_features(v)
+    if heads is None or q_rows % heads or inner % heads:
+        raise AdapterMismatch(
+            f"{name}: {cls}: query ({q_rows}), key ({k_rows}), value ({v_rows}) and out-projection input ({inner}) "
+            "widths differ and no head count splits them; pass AttentionSpec(num_heads=...)"
+        )
+    d_qk, d_v = q_rows // heads, inner // heads
+    kv = k_rows // d_qk if k_rows % d_qk == 0 else 0
+    if kv < 1 or v_rows != kv * d_v or heads % kv or (num_kv_heads is not None and num_kv_heads != kv):
+        raise AdapterMismatch(
+            f"{name}: {cls}: key ({k_rows}) and value ({v_rows}) widths do not split into the same key/value heads "
+            f"for {heads} query heads of width {d_qk} and value width {d_v}"
+        )
+    return heads, kv, d_v, {"query": d_qk, "key": d_qk, "value": d_v, "output": d_v}
 
 
 #: Classes that look like a known layout but compute attention differently: refused with the reason.
