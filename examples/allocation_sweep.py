@@ -22,7 +22,10 @@ each (the seed draws the data and the initial projection, shared by all splits).
 3. fits the law on all runs and reports d_k* against N (continuous and among the divisors);
 4. writes ``allocation.png`` and ``allocation.md`` into ``--out`` and prints what it found.
 
-Runs in about a minute on 2 CPU cores (``--quick`` for a smoke run).
+The default ``--out`` is ``benchmarks/results/allocation_sweep/``: its ``allocation.md`` is the one
+place the sweep's numbers are written down (docs/allocation.md includes it), so rerun the script
+instead of editing numbers by hand. Runs in about two minutes on 2 CPU cores (``--quick`` for a
+smoke run). Needs scipy (``pip install 'hdi-monitor[advisor]'``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import scipy.stats
 import torch
 from einops import rearrange
 
@@ -61,8 +65,9 @@ def make_data(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, t
     return x, f, f + SIGMA * torch.randn(n, generator=g)
 
 
-def head_predictions(W: torch.Tensor, H: int, q: torch.Tensor, xk: torch.Tensor, yk: torch.Tensor,
-                     self_index: torch.Tensor | None = None) -> torch.Tensor:
+def head_predictions(
+    W: torch.Tensor, H: int, q: torch.Tensor, xk: torch.Tensor, yk: torch.Tensor, self_index: torch.Tensor | None = None
+) -> torch.Tensor:
     """(H, n_queries) predictions of the H Nadaraya-Watson heads (Gaussian kernel in each projection)."""
     Wh = rearrange(W, "p (h d) -> h p d", h=H)
     pq = torch.einsum("np,hpd->hnd", q, Wh)
@@ -102,12 +107,15 @@ def train_and_test(H: int, n_train: int, seed: int, steps: int, batch: int, lr: 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="examples/out/allocation", help="output folder")
+    parser.add_argument("--out", default="benchmarks/results/allocation_sweep", help="output folder")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run (N up to 1024, 1 seed, 30 steps)")
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run (N up to 256, 1 seed, 30 steps)")
+    parser.add_argument(
+        "--refit", action="store_true", help="skip training: fit and report from the sweep.csv already in --out"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -117,29 +125,48 @@ def main(argv: list[str] | None = None) -> None:
     seeds = 1 if args.quick else args.seeds
     steps = 30 if args.quick else args.steps
     heads = [16, 8, 4, 2, 1]
-    n_fit, n_held = n_values[:-1], n_values[-1]
 
     t0 = time.time()
-    runs: list[AllocationRun] = []
     per_seed: dict[tuple[int, int], list[float]] = {}  # (N, H) -> test MSE of each seed
-    for n in n_values:
-        for H in heads:
-            res = [train_and_test(H, n, s, steps, args.batch) for s in range(seeds)]
-            per_seed[(n, H)] = [r[0] for r in res]
-            loss = float(np.mean([r[0] for r in res]))
-            corr = float(np.mean([r[1] for r in res])) if H > 1 else None
-            runs.append(AllocationRun(H, TOTAL_DIM // H, n, loss, corr))
-            print(f"N={n:5d}  H={H:2d} d_k={TOTAL_DIM // H:2d}  test MSE {loss:.4f}"
-                  f" (seeds {', '.join(f'{r[0]:.4f}' for r in res)})"
-                  f"  head-error corr {corr if corr is not None else float('nan'):.3f}", flush=True)
-    train_time = time.time() - t0
-
-    with open(out / "sweep.csv", "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["H", "d_k", "N", "loss", "correlation"])
-        for r in runs:
-            w.writerow([r.num_heads, r.head_dim, int(r.n_train), f"{r.loss:.6g}",
-                        "" if r.correlation is None else f"{r.correlation:.4f}"])
+    corrs: dict[tuple[int, int], float | None] = {}  # (N, H) -> seed-mean head-error correlation
+    if args.refit:  # the training results of an earlier run, from its sweep.csv
+        with open(out / "sweep.csv", newline="") as fh:
+            lines = fh.read().splitlines()
+        provenance = lines[0].lstrip("# ") + "; fit and report rerun with --refit"
+        for row in csv.DictReader(ln for ln in lines if not ln.startswith("#")):
+            key = (int(row["N"]), int(row["H"]))
+            per_seed[key] = [float(row[k]) for k in sorted(row) if k.startswith("loss_seed")]
+            corrs[key] = float(row["correlation"]) if row["correlation"] else None
+        n_values = sorted({n for n, _ in per_seed})
+        seeds = len(next(iter(per_seed.values())))
+    else:
+        for n in n_values:
+            for H in heads:
+                res = [train_and_test(H, n, s, steps, args.batch) for s in range(seeds)]
+                per_seed[(n, H)] = [r[0] for r in res]
+                corrs[(n, H)] = float(np.mean([r[1] for r in res])) if H > 1 else None
+                print(
+                    f"N={n:5d}  H={H:2d} d_k={TOTAL_DIM // H:2d}  test MSE {np.mean(per_seed[(n, H)]):.4f}"
+                    f" (seeds {', '.join(f'{r[0]:.4f}' for r in res)})"
+                    f"  head-error corr {corrs[(n, H)] or float('nan'):.3f}",
+                    flush=True,
+                )
+        provenance = (
+            f"{len(n_values) * len(heads)} splits x {seeds} seed(s), {steps} Adam steps each;"
+            f" training took {time.time() - t0:.0f} s"
+        )
+        with open(out / "sweep.csv", "w", newline="") as fh:
+            fh.write(f"# {provenance}\n")
+            w = csv.writer(fh)
+            w.writerow(["H", "d_k", "N", "loss", "correlation", *(f"loss_seed{s}" for s in range(seeds))])
+            for (n, H), losses in per_seed.items():
+                corr = corrs[(n, H)]
+                w.writerow(
+                    [H, TOTAL_DIM // H, n, f"{np.mean(losses):.6g}", "" if corr is None else f"{corr:.4f}"]
+                    + [f"{v:.6g}" for v in losses]
+                )
+    n_fit, n_held = n_values[:-1], n_values[-1]
+    runs = [AllocationRun(H, TOTAL_DIM // H, n, float(np.mean(v)), corrs[(n, H)]) for (n, H), v in per_seed.items()]
 
     noise = SIGMA**2  # the Bayes error of the test MSE, known by construction: held fixed in the fits
     plain = [AllocationRun(r.num_heads, r.head_dim, r.n_train, r.loss) for r in runs]  # without correlations
@@ -155,6 +182,16 @@ def main(argv: list[str] | None = None) -> None:
     def best_measured(n: float) -> AllocationRun:
         return min((r for r in runs if r.n_train == n), key=lambda r: r.loss)
 
+    def near_best(n: float) -> list[int]:
+        """d_k of the splits whose mean MSE is within one standard error (of the difference) of the best."""
+        best = best_measured(n)
+        if seeds < 2:
+            return [best.head_dim]
+        sem = {H: float(np.std(per_seed[(n, H)], ddof=1)) / math.sqrt(seeds) for H in heads}
+        return sorted(
+            TOTAL_DIM // H for H in heads if measured_loss(n, H) - best.loss <= math.hypot(sem[H], sem[best.num_heads])
+        )
+
     def best_per_seed(n: float) -> list[int]:
         return [TOTAL_DIM // min(heads, key=lambda H: per_seed[(n, H)][s]) for s in range(seeds)]
 
@@ -169,13 +206,26 @@ def main(argv: list[str] | None = None) -> None:
     lines: list[str] = []
     say = lines.append
     say(f"# Allocation sweep: learned Nadaraya-Watson head ensembles, D = {TOTAL_DIM}\n")
-    say(f"{len(runs)} splits x {seeds} seed(s), {steps} Adam steps each; training took {train_time:.0f} s.\n")
+    say(f"{provenance}.\n")
     say("## Measured test MSE (mean over seeds; noise floor 0.01)\n")
-    say("| N | " + " | ".join(f"H={H}, d_k={TOTAL_DIM // H}" for H in heads) + " | best d_k | best d_k per seed |")
-    say("|---:|" + "---:|" * (len(heads) + 2))
+    say(
+        "| N | "
+        + " | ".join(f"H={H}, d_k={TOTAL_DIM // H}" for H in heads)
+        + " | best d_k | within seed noise of the best | best d_k per seed |"
+    )
+    say("|---:|" + "---:|" * (len(heads) + 2) + "---|")
     for n in n_values:
-        say(f"| {n} | " + " | ".join(f"{measured_loss(n, H):.4f}" for H in heads)
-            + f" | {best_measured(n).head_dim} | {', '.join(map(str, best_per_seed(n)))} |")
+        best_h = best_measured(n).num_heads
+        cells = [f"**{measured_loss(n, H):.4f}**" if H == best_h else f"{measured_loss(n, H):.4f}" for H in heads]
+        say(
+            f"| {n} | " + " | ".join(cells) + f" | {TOTAL_DIM // best_h} | {', '.join(map(str, near_best(n)))}"
+            f" | {', '.join(map(str, best_per_seed(n)))} |"
+        )
+    say(
+        "\nBest: the lowest mean MSE over the seeds (the ranking uses the full values, four decimals are shown)."
+        " 'Within seed noise' lists every d_k whose mean is within one standard error (of the difference) of the"
+        " best; where it lists several, this sweep cannot tell them apart."
+    )
     say("\nMean correlation of the heads' test errors (H > 1):\n")
     say("| N | " + " | ".join(f"d_k={TOTAL_DIM // H}" for H in heads[:-1]) + " |")
     say("|---:|" + "---:|" * (len(heads) - 1))
@@ -187,11 +237,13 @@ def main(argv: list[str] | None = None) -> None:
     say("| H | d_k | measured | predicted | log residual |\n|---:|---:|---:|---:|---:|")
     for r, p, e in zip(held, pred_held, held_resid):
         say(f"| {r.num_heads} | {r.head_dim} | {r.loss:.4f} | {p:.4f} | {e:+.3f} |")
-    say(f"\nHeld-out RMS log residual {math.sqrt(float(np.mean(held_resid ** 2))):.3f}"
+    say(
+        f"\nHeld-out RMS log residual {math.sqrt(float(np.mean(held_resid**2))):.3f}"
         f" (in-sample {fit.rms_log_residual:.3f}). Predicted best split at N = {n_held}:"
         f" H={rec_held.num_heads}, d_k={rec_held.head_dim}; measured best: H={best_measured(n_held).num_heads},"
         f" d_k={best_measured(n_held).head_dim}; the predicted split's measured loss is {100 * regret:+.1f}%"
-        " from the measured best.\n")
+        " from the measured best.\n"
+    )
     say("## d_k* against N\n")
     say("Law fitted to all runs (constant rho):\n")
     say("```\n" + fit_all.summary() + "\n```\n")
@@ -204,52 +256,56 @@ def main(argv: list[str] | None = None) -> None:
         say(f"| {n} | {c_all:.2f} | {d_all} | {optimal_head_dim(TOTAL_DIM, n, fit.law):.2f} | {b} |")
     # what it shows, computed from the numbers above
     two_beta = 2 * fit_all.law.beta
-    rank = _spearman(np.log(n_values), np.asarray(best_d, dtype=float))
+    rank = float(scipy.stats.spearmanr(n_values, best_d).statistic)
     say("\n## What it shows\n")
-    say(f"- Measured best d_k over N = {n_values[0]}..{n_values[-1]}: {best_d}"
-        f" (rank correlation with N {rank:+.2f}); per-seed winners are listed above, and neighbouring"
-        " splits are often within seed noise.")
-    say(f"- The fitted law's continuous d_k* goes {cont_all[0]:.2f} -> {cont_all[-1]:.2f} over the same range"
-        f" ({'rising' if cont_all[-1] > cont_all[0] else 'not rising'} with N).")
+    say(
+        f"- Measured best d_k over N = {n_values[0]}..{n_values[-1]}: {best_d}"
+        f" (rank correlation with N {rank:+.2f})."
+        + (
+            " Several splits are within seed noise of the best at "
+            + "; ".join(f"N = {n} (d_k = {', '.join(map(str, near_best(n)))})" for n in tied)
+            + ": there the sweep does not pick a winner."
+            if (tied := [n for n in n_values if len(near_best(n)) > 1])
+            else " Every winner is clear of seed noise."
+        )
+    )
+    say(
+        f"- The fitted law's continuous d_k* goes {cont_all[0]:.2f} -> {cont_all[-1]:.2f} over the same range"
+        f" ({'rising' if cont_all[-1] > cont_all[0] else 'not rising'} with N)."
+    )
     regime = "pre-asymptotic (d_k* < 2 beta)" if max(cont_all) < two_beta else "asymptotic (d_k* > 2 beta)"
-    say(f"- Fitted 2 beta = {two_beta:.1f}, so this sweep is in the law's {regime} regime: there d_k* grows faster"
-        " than linearly in log N; the log N / log log N regime needs d_k well above 2 beta." if regime.startswith("pre")
-        else f"- Fitted 2 beta = {two_beta:.1f}: this sweep is in the law's {regime} regime (d_k* ~ log N / log log N).")
+    say(
+        f"- Fitted 2 beta = {two_beta:.1f}, so this sweep is in the law's {regime} regime: there d_k* grows faster"
+        " than linearly in log N; the log N / log log N regime needs d_k well above 2 beta."
+        if regime.startswith("pre")
+        else f"- Fitted 2 beta = {two_beta:.1f}: this sweep is in the law's {regime} regime (d_k* ~ log N / log log N)."
+    )
     if fit_all.law.rho > 0.99:
-        say("- The fit drives rho to 1: this sweep gives no evidence for the ensemble factor (many narrow heads"
+        say(
+            "- The fit drives rho to 1: this sweep gives no evidence for the ensemble factor (many narrow heads"
             " are strongly correlated, see the correlation table); the d_k dependence is carried by the"
-            " approximation and estimation terms alone.")
+            " approximation and estimation terms alone."
+        )
     elif fit_all.law.rho < 0.01:
-        say("- The fit drives rho to 0: the ensemble factor 1/H takes its strongest form here, although the"
-            " measured head-error correlations (table above) are far from 0.")
-    say(f"- Extrapolation to N = {n_held}: RMS log residual {math.sqrt(float(np.mean(held_resid ** 2))):.3f};"
-        f" mean log residual {float(np.mean(held_resid)):+.3f} ({'over' if np.mean(held_resid) > 0 else 'under'}-predicts"
-        " the loss on average).")
+        say(
+            "- The fit drives rho to 0: the ensemble factor 1/H takes its strongest form here, although the"
+            " measured head-error correlations (table above) are far from 0."
+        )
+    say(
+        f"- Extrapolation to N = {n_held}: RMS log residual {math.sqrt(float(np.mean(held_resid**2))):.3f};"
+        f" mean log residual {float(np.mean(held_resid)):+.3f}"
+        f" ({'over' if np.mean(held_resid) > 0 else 'under'}-predicts the loss on average)."
+    )
     report = "\n".join(lines)
     (out / "allocation.md").write_text(report + "\n")
     print()
     print(report)
 
     _plot(out / "allocation.png", runs, fit, fit_all, n_values, heads)
-    print(f"\nwrote {out / 'sweep.csv'}, {out / 'allocation.md'}, {out / 'allocation.png'}"
-          f" ({time.time() - t0:.0f} s in all)")
-
-
-def _ranks(x: np.ndarray) -> np.ndarray:
-    """Ranks with ties averaged (as scipy.stats.rankdata)."""
-    order = np.argsort(x, kind="stable")
-    ranks = np.empty(len(x))
-    ranks[order] = np.arange(1, len(x) + 1)
-    for v in np.unique(x):
-        ranks[x == v] = ranks[x == v].mean()
-    return ranks
-
-
-def _spearman(x: np.ndarray, y: np.ndarray) -> float:
-    rx, ry = _ranks(x), _ranks(y)
-    if rx.std() == 0 or ry.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(rx, ry)[0, 1])
+    print(
+        f"\nwrote {out / 'sweep.csv'}, {out / 'allocation.md'}, {out / 'allocation.png'}"
+        f" ({time.time() - t0:.0f} s in all)"
+    )
 
 
 def _plot(path: Path, runs, fit, fit_all, n_values, heads) -> None:
@@ -265,8 +321,14 @@ def _plot(path: Path, runs, fit, fit_all, n_values, heads) -> None:
         rs = sorted((r for r in runs if r.n_train == n), key=lambda r: r.head_dim)
         ax.plot([r.head_dim for r in rs], [r.loss for r in rs], "o", color=color, label=f"measured N={n}")
         held_out = n > max(r.n_train for r in fit.runs)
-        ax.plot(dgrid, fit.law.predict(TOTAL_DIM / dgrid, dgrid, n), "--" if held_out else "-", color=color,
-                alpha=0.8, label="law (held out)" if held_out else None)
+        ax.plot(
+            dgrid,
+            fit.law.predict(TOTAL_DIM / dgrid, dgrid, n),
+            "--" if held_out else "-",
+            color=color,
+            alpha=0.8,
+            label="law (held out)" if held_out else None,
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("head width d_k  (H = 16 / d_k)")
@@ -276,7 +338,9 @@ def _plot(path: Path, runs, fit, fit_all, n_values, heads) -> None:
     ax = axes[1]
     ns = np.geomspace(64, 1e5, 60)
     ax.plot(ns, [optimal_head_dim(TOTAL_DIM, n, fit_all.law) for n in ns], "-", color="k", label="d_k* (fit on all)")
-    ax.plot(ns, [optimal_head_dim(TOTAL_DIM, n, fit.law) for n in ns], "--", color="gray", label="d_k* (fit on small N)")
+    ax.plot(
+        ns, [optimal_head_dim(TOTAL_DIM, n, fit.law) for n in ns], "--", color="gray", label="d_k* (fit on small N)"
+    )
     meas = [min((r for r in runs if r.n_train == n), key=lambda r: r.loss).head_dim for n in n_values]
     ax.plot(n_values, meas, "s", color="tab:red", ms=9, label="measured best d_k")
     ax.set_xscale("log")

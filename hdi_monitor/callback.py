@@ -12,6 +12,7 @@ gradient checkpointing is not counted twice), and results are computed and writt
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,13 +20,14 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from hdi_monitor.adapters import PROJECTIONS, AttentionSpec
 from hdi_monitor.saturation import DiversityEvent
 from hdi_monitor.sharding import contains_fsdp1
 from hdi_monitor.sinks import LoggerSink, Sink, TensorBoardSink
-from hdi_monitor.tracker import HDITracker, Measurement, tracker_settings
+from hdi_monitor.tracker import HDITracker, Measurement, fresh_settings, tracker_settings
 
 __all__ = ["HDIMonitor"]
 
@@ -61,7 +63,18 @@ class HDIMonitor(Callback):
         on_saturation: ``"warn"``, ``"stop"`` (stop training on saturation or collapse; every rank
             agrees through the strategy's boolean reduction) or a callable receiving each event.
         strict: raise internal errors instead of warning (for tests).
+        seed: seed of the monitor's own random generator (token subsample); the global generators
+            are never used, so training is bit-identical with and without the monitor.
         state_key: tells two monitors apart in a checkpoint.
+
+    Every argument is checked here. What needs the model is checked in ``setup``, before the
+    first step: a model without a recognised attention layer, or a ``layers`` filter that matches
+    none, raises a ``ValueError`` naming the model's modules (training has not started, so nothing
+    is lost). Only failures during training become warnings.
+
+    State: ``trainer.fit`` called again on the same Trainer continues the history and the
+    early-warning detector (the step axis keeps increasing, as Lightning's does); a new Trainer
+    starts afresh unless it resumes from a checkpoint, which restores both.
     """
 
     def __init__(
@@ -83,6 +96,7 @@ class HDIMonitor(Callback):
         redundancy_threshold: float = 0.9,
         on_saturation: str | Callable[[DiversityEvent], Any] = "warn",
         strict: bool = False,
+        seed: int = 0,
         state_key: str | None = None,
     ) -> None:
         super().__init__()
@@ -106,6 +120,7 @@ class HDIMonitor(Callback):
             redundancy_threshold=redundancy_threshold,
             on_saturation=on_saturation,
             strict=strict,
+            seed=seed,
         )
         self.every_n_steps = every_n_steps
         self.projections = self.settings["projections"]
@@ -114,6 +129,7 @@ class HDIMonitor(Callback):
         self._state_key = state_key
         self.tracker: HDITracker | None = None
         self._restored: dict[str, Any] | None = None
+        self._trainer: weakref.ref[pl.Trainer] | None = None  # the Trainer the tracker belongs to
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -146,10 +162,26 @@ class HDIMonitor(Callback):
                 "HDIMonitor: the Trainer has no logger; measurements are kept in `HDIMonitor.history` only. "
                 "Pass `logger=TensorBoardLogger(...)` to get the dashboards."
             )
-        self.tracker = HDITracker(pl_module, sinks=sinks, **self.settings)
+        same_run = (
+            self.tracker is not None
+            and self._trainer is not None
+            and self._trainer() is trainer
+            and self.tracker.model is pl_module
+        )
+        if same_run:
+            # fit called again on the same Trainer: history, detector and step axis continue
+            assert self.tracker is not None
+            self.tracker.sinks = sinks
+        else:
+            self.tracker = HDITracker(pl_module, sinks=sinks, **fresh_settings(self.settings))
+            self._trainer = weakref.ref(trainer)
         if self._restored is not None:
             self.tracker.load_state_dict(self._restored)
             self._restored = None
+        if not is_overridden("configure_model", pl_module):
+            # fail now, before the first step, if the model cannot be watched (raises ValueError);
+            # layers built in configure_model are checked in on_fit_start
+            self.tracker.setup()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.tracker is None:
@@ -162,13 +194,7 @@ class HDIMonitor(Callback):
         root = trainer.strategy.model
         if self.tracker.fsdp_root is None and isinstance(root, nn.Module) and contains_fsdp1(root):
             self.tracker.fsdp_root = root
-        try:
-            self.tracker.layers  # discover now: parameters are configured and wrapped by the strategy
-        except Exception as err:
-            if self.strict:
-                raise
-            self.tracker.disabled = True
-            rank_zero_warn(f"HDIMonitor is disabled for this run: {err}")
+        self.tracker.setup()  # discover again: parameters are configured and wrapped by the strategy
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.tracker is not None and not trainer.sanity_checking:

@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point. Returns the process exit status (0 ok, 2 bad input, 1 internal error)."""
+    """Entry point. Returns the process exit status (0 ok, 2 bad input or an unwritable/unreadable
+    path, 1 internal error)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:
@@ -56,6 +57,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
         return 0
+    except OSError as err:  # the environment, not a bug: a full disk, a read-only or missing path
+        if args.debug:
+            raise
+        where = f"{str(err.filename)!r}: " if err.filename is not None else ""
+        print(f"hdi-monitor {args.command}: error: {where}{err.strerror or err}", file=sys.stderr)
+        return 2
     except Exception as err:  # noqa: BLE001 - one line unless --debug
         if args.debug:
             raise

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["CharLM", "CharDataModule", "stdlib_text", "run_demo"]
+__all__ = ["CharDataModule", "CharLM", "run_demo", "stdlib_text"]
 
 _MODULES = ("textwrap", "argparse", "string", "heapq", "bisect", "fractions", "calendar", "difflib")
 
@@ -127,10 +127,25 @@ def run_demo(
     seed: int = 0,
     progress: bool = True,
 ) -> Path:
-    """Train :class:`CharLM` with :class:`~hdi_monitor.HDIMonitor` and a TensorBoard logger.
+    """Train `CharLM` with `HDIMonitor` and a TensorBoard logger, and save the last checkpoint.
 
-    Returns the TensorBoard log directory (open it with ``tensorboard --logdir <out_dir>``).
+    Args:
+        out_dir: TensorBoard root; the run goes to `<out_dir>/demo/version_<n>`.
+        max_steps: optimizer steps.
+        every_n_steps: measure every N optimizer steps.
+        log_images_every_n_steps: heatmaps and angle histograms every N steps.
+        d_model: model width D.
+        num_heads: attention heads per layer.
+        num_layers: encoder layers.
+        seed: seed of `lightning.seed_everything`.
+        progress: show the progress bar.
+
+    Returns:
+        The run's log directory. It holds the event files (`tensorboard --logdir <out_dir>`) and
+        `checkpoints/last.ckpt`, which `hdi-monitor report <ckpt> --module hdi_monitor.demo.CharLM`
+        reads.
     """
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from hdi_monitor.callback import HDIMonitor
@@ -146,11 +161,11 @@ def run_demo(
     trainer = pl.Trainer(
         max_steps=max_steps,
         logger=logger,
-        callbacks=[monitor],
+        # only ``<log_dir>/checkpoints/last.ckpt``, the input of ``hdi-monitor report ... --module``
+        callbacks=[monitor, ModelCheckpoint(save_last=True, save_top_k=0)],
         log_every_n_steps=10,
         val_check_interval=200,
         limit_val_batches=8,
-        enable_checkpointing=False,
         enable_progress_bar=progress,
         enable_model_summary=False,
         accelerator="auto",

@@ -9,6 +9,7 @@ With ``inputs`` it also runs the model on some batches and adds head-output cova
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,8 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hdi_monitor.adapters import AttentionLayer, AttentionSpec, find_attention_layers
+from hdi_monitor.adapters import AttentionLayer, AttentionSpec, SkippedModule, discover_attention
 from hdi_monitor.adapters.base import PROJECTIONS
+from hdi_monitor.adapters.discovery import skipped_message
 from hdi_monitor.diversity import (
     WEIGHTINGS,
     chance_hdi,
@@ -62,6 +64,7 @@ class LayerDiversity:
     mean_correlation: float | None = None
     variance_ratio: float | None = None
     num_tokens: int | None = None
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (NaN becomes None)."""
@@ -78,6 +81,8 @@ class LayerDiversity:
             "invalid_heads": {p: list(v) for p, v in self.invalid_heads.items()},
             "overlap": {p: _nested(t) for p, t in self.overlap.items()},
         }
+        if self.notes:
+            out["notes"] = list(self.notes)
         if self.covariance is not None:
             out["covariance"] = _nested(self.covariance)
         if self.correlation is not None:
@@ -91,11 +96,20 @@ class LayerDiversity:
 
 @dataclass
 class DiversityReport:
-    """Per-layer head diversity of a model (see :func:`head_diversity`)."""
+    """Per-layer head diversity of a model (see :func:`head_diversity`).
+
+    Attributes:
+        layers: one entry per measured attention layer.
+        projections: the projections measured.
+        weighting: ``"spectral"`` or ``"uniform"``.
+        skipped: attention-like modules that were found but not measured, with the reason (see
+            :func:`~hdi_monitor.adapters.discover_attention`).
+    """
 
     layers: list[LayerDiversity]
     projections: tuple[str, ...]
     weighting: str
+    skipped: list[SkippedModule] = field(default_factory=list)
 
     def mean_hdi(self, projection: str = "key") -> float | None:
         """Mean HDI of ``projection`` over the layers that have one (None if none has)."""
@@ -105,16 +119,19 @@ class DiversityReport:
         return float(sum(values) / len(values)) if values else None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict: weighting, projections, layers (see :meth:`LayerDiversity.to_dict`), mean_hdi."""
+        """JSON-ready dict: weighting, projections, layers (see :meth:`LayerDiversity.to_dict`), mean_hdi,
+        skipped (``[{"name", "class_name", "reason"}]``)."""
         return {
             "weighting": self.weighting,
             "projections": list(self.projections),
             "layers": [lay.to_dict() for lay in self.layers],
             "mean_hdi": {p: self.mean_hdi(p) for p in self.projections},
+            "skipped": [s.to_dict() for s in self.skipped],
         }
 
     def format_table(self) -> str:
-        """A readable fixed-width table: one row per layer, HDI / chance / max per projection."""
+        """A readable fixed-width table: one row per layer, HDI / chance / max per projection; then the
+        notes of layers and the modules not measured, with the reason."""
         has_act = any(lay.effective_heads is not None for lay in self.layers)
         header = ["layer", "family", "heads", "d", "D"]
         for p in self.projections:
@@ -147,6 +164,15 @@ class DiversityReport:
         lines = [f"head diversity ({self.weighting} overlap)", line(header), rule, *map(line, rows), rule, line(footer)]
         if any(lay.invalid_heads.get(p) for lay in self.layers for p in self.projections):
             lines.append("* layer has dead (all-zero) or non-finite heads, left out of its HDI")
+        notes: dict[str, list[str]] = {}
+        for lay in self.layers:
+            for note in lay.notes:
+                notes.setdefault(note, []).append(lay.name or "<root>")
+        for note, names in notes.items():
+            lines.append(f"note: {note} ({len(names)} layer{'s' if len(names) > 1 else ''})")
+        if self.skipped:
+            lines.append(f"not measured ({len(self.skipped)} attention-like module{'s' if len(self.skipped) > 1 else ''}):")
+            lines += [f"  {s.name or '<root>'} ({s.class_name}): {s.reason}" for s in self.skipped]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -194,6 +220,7 @@ def compute_report(
     weighting: str = "spectral",
     *,
     fsdp_root: nn.Module | None = None,
+    skipped: Sequence[SkippedModule] = (),
 ) -> DiversityReport:
     """Weight-based diversity of already-found attention layers.
 
@@ -214,6 +241,7 @@ def compute_report(
         weighting: ``"spectral"`` or ``"uniform"``.
         fsdp_root: for FSDP1 (``FullyShardedDataParallel``) models, the root FSDP module (in
             Lightning ``trainer.strategy.model``); ignored otherwise.
+        skipped: the modules discovery left out (:attr:`Discovery.skipped`), carried into the report.
     """
     projections = _check_projections(projections)
     _check_weighting(weighting)
@@ -227,6 +255,7 @@ def compute_report(
             num_kv_heads=lay.num_kv_heads,
             head_dim=lay.head_dim,
             model_dim=lay.model_dim,
+            notes=tuple(getattr(lay, "notes", ())),
         )
         for lay in layers
     ]
@@ -269,7 +298,9 @@ def compute_report(
                 overlap = subspace_overlap(stacked, weighting)  # type: ignore[arg-type]
                 pending.append((proj, idx, overlap, head_diversity_index(overlap), invalid_heads(stacked)))
     _collect(pending, results)
-    return DiversityReport(layers=results, projections=projections, weighting=weighting)
+    if not all(isinstance(s, SkippedModule) for s in skipped):
+        raise TypeError("skipped must be a sequence of SkippedModule (see discover_attention)")
+    return DiversityReport(layers=results, projections=projections, weighting=weighting, skipped=list(skipped))
 
 
 def _collect(pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]], results: list[LayerDiversity]) -> None:
@@ -357,7 +388,7 @@ def head_diversity(
     *,
     projections: Sequence[str] = ("key",),
     weighting: str = "spectral",
-    spec: AttentionSpec | None = None,
+    spec: AttentionSpec | Sequence[AttentionSpec] | None = None,
     layers: str | Sequence[str] | None = None,
     inputs: Any = None,
     max_tokens: int | None = None,
@@ -368,7 +399,8 @@ def head_diversity(
         model: the model (any ``nn.Module`` with attention layers of a supported family, or ``spec``).
         projections: which of ``"query"``, ``"key"``, ``"value"``, ``"output"`` to measure.
         weighting: ``"spectral"`` (default) or ``"uniform"`` subspace overlap.
-        spec: :class:`~hdi_monitor.adapters.AttentionSpec` for models no built-in family covers.
+        spec: one :class:`~hdi_monitor.adapters.AttentionSpec` or a list, for modules no built-in
+            family covers; combines with the built-in families (a spec wins where both match).
         layers: a regex (``re.search`` on qualified names) or a list of exact layer names.
         inputs: optional batches for head-output covariance statistics: one batch (a dict is called
             as ``model(**batch)``, a tuple as ``model(*batch)``, a tensor as ``model(batch)``) or an
@@ -380,7 +412,9 @@ def head_diversity(
         max_tokens: cap on the tokens each layer's accumulator takes.
 
     Returns:
-        A :class:`DiversityReport`; ``print(report)`` shows a table.
+        A :class:`DiversityReport`; ``print(report)`` shows a table. Attention-like modules that
+        are not measured are in ``report.skipped`` with the reason (and in the table) and named in
+        one warning.
 
     An FSDP1 model (``FullyShardedDataParallel``) is measured one FSDP unit at a time when
     ``model`` is the FSDP root itself (a collective: call it on every rank).
@@ -393,8 +427,13 @@ def head_diversity(
         raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
     root = model if is_fsdp1_module(model) else None
     with torch.no_grad():
-        found = find_attention_layers(model, spec=spec, layers=layers)
-        report = compute_report(found, projections=projections, weighting=weighting, fsdp_root=root)
+        discovery = discover_attention(model, spec=spec, layers=layers)
+        found = discovery.layers
+        if discovery.skipped:
+            warnings.warn(skipped_message(discovery.skipped), UserWarning, stacklevel=2)
+        report = compute_report(
+            found, projections=projections, weighting=weighting, fsdp_root=root, skipped=discovery.skipped
+        )
         if inputs is not None:
             _add_activation_stats(model, found, report.layers, inputs, max_tokens, fsdp_root=root)
     return report

@@ -9,21 +9,27 @@
   report was made with inputs;
 * ``hdi_by_layer.png``: HDI per layer for every projection, with the chance level (random heads)
   and, where it is below 1, the frame-bound maximum (matplotlib, Agg canvas, no pyplot state);
-* ``index.html``: one page showing the table and every picture. The pictures are embedded as
-  ``data:`` URIs and the style is inline, so the page can be mailed or archived on its own.
+* ``index.html``: one page showing the table, the modules that were not measured (with
+  ``DiversityReport.skipped``), the plot and every matrix, in a grid that wraps to the window. It
+  is rendered from the jinja2 template ``templates/report.html.j2`` with autoescaping, so model
+  text (layer names, reasons) is always escaped. The pictures are embedded as ``data:`` URIs and
+  the style is inline, so the page can be mailed or archived on its own.
 """
 
 from __future__ import annotations
 
 import base64
 import datetime as _dt
-import html
+import functools
 import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeGuard
 
+import jinja2
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -33,6 +39,9 @@ from hdi_monitor.report import DiversityReport
 __all__ = ["ReportFiles", "write_report", "save_png", "plot_hdi_by_layer", "figure_count", "layer_labels"]
 
 Progress = Callable[[int], object]
+
+# Width range of one matrix picture on the page: the grid fits as many columns as the window allows.
+_CELL_MIN_PX, _CELL_MAX_PX = 170, 300
 
 
 @dataclass
@@ -71,7 +80,7 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name or "root").strip("_") or "root"
 
 
-def _has_matrix(matrix: Tensor | None) -> bool:
+def _has_matrix(matrix: Tensor | None) -> TypeGuard[Tensor]:
     return matrix is not None and matrix.ndim == 2 and matrix.shape[-1] >= 2
 
 
@@ -153,8 +162,8 @@ def plot_hdi_by_layer(report: DiversityReport, path: str | Path, *, title: str |
         caps = series([lay.max_hdi.get(p) for lay in report.layers])
         if any(c < 1 - 1e-9 for c in caps if not math.isnan(c)):
             ax.plot(x, caps, ls=":", lw=1.2, color=color, label=f"{p} max (frame bound)")
-    shown = [v for line in ax.get_lines() for v in line.get_ydata() if not math.isnan(v)]
-    low = min(shown, default=0.0)
+    shown = np.concatenate([np.asarray(line.get_ydata(), dtype=np.float64).ravel() for line in ax.get_lines()])
+    low = float(np.nanmin(shown)) if np.isfinite(shown).any() else 0.0
     ax.set_ylim(max(-0.02, low - 0.08 * (1.0 - low) - 0.02), 1.02)  # zoom in, keep 1 (orthogonal) visible
     ax.set_ylabel("HDI (1 = orthogonal heads)")
     ax.set_xlabel(f"layer ({pattern})" if pattern else "layer")
@@ -181,116 +190,108 @@ def _gradient(cmap: str) -> str:
 
 def _fmt(value: float | None, digits: int = 3) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "&ndash;"
+        return "\u2013"  # en dash
     return f"{value:.{digits}f}"
 
 
-_CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1400px}
-h1{font-size:1.4em;margin-bottom:.2em} h2{font-size:1.15em;margin-top:1.6em}
-.meta{color:#555;font-size:.9em} table{border-collapse:collapse;font-size:.85em}
-th,td{padding:3px 8px;border-bottom:1px solid #ddd;text-align:right} th{background:#f4f4f4}
-td.name,th.name{text-align:left;font-family:monospace} td.low{color:#b22}
-.grid td{vertical-align:top;text-align:center;border:none;padding:4px}
-.grid img{image-rendering:pixelated;border:1px solid #ccc}
-.scroll{overflow-x:auto}
-.bar{display:inline-block;width:180px;height:12px;vertical-align:middle;border:1px solid #aaa}
-.note{font-size:.85em;color:#444;max-width:900px}
-"""
+@functools.cache
+def _template() -> jinja2.Template:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("hdi_monitor", "templates"),
+        autoescape=True,  # every value is text: layer names, module classes and reasons come from the model
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+    )
+    return env.get_template("report.html.j2")
 
 
-def _table(report: DiversityReport) -> str:
-    has_act = any(lay.effective_heads is not None for lay in report.layers)
-    head = ["<th class=name>layer</th><th>family</th><th>heads</th><th>d</th><th>D</th>"]
-    for p in report.projections:
-        head.append(f"<th>{p} HDI</th><th>chance</th><th>max</th>")
-    if has_act:
-        head.append("<th>H<sub>eff</sub></th><th>mean R</th><th>tokens</th>")
+def _summary_rows(report: DiversityReport) -> list[dict[str, Any]]:
     rows = []
     for lay in report.layers:
-        heads = f"{lay.num_heads}" if lay.num_kv_heads == lay.num_heads else f"{lay.num_heads}/{lay.num_kv_heads}"
-        cells = [
-            f"<td class=name>{html.escape(lay.name or '<root>')}</td><td>{html.escape(lay.family)}</td>"
-            f"<td>{heads}</td><td>{lay.head_dim}</td><td>{lay.model_dim}</td>"
-        ]
+        cells = []
         for p in report.projections:
             value, chance = lay.hdi.get(p), lay.chance_hdi.get(p)
-            low = value is not None and chance is not None and value < chance
-            mark = "*" if lay.invalid_heads.get(p) else ""
             cells.append(
-                f"<td class={'low' if low else 'ok'}>{_fmt(value)}{mark}</td><td>{_fmt(chance)}</td><td>{_fmt(lay.max_hdi.get(p))}</td>"
+                {
+                    "hdi": _fmt(value) + ("*" if lay.invalid_heads.get(p) else ""),
+                    "low": value is not None and chance is not None and value < chance,
+                    "chance": _fmt(chance),
+                    "max": _fmt(lay.max_hdi.get(p)),
+                }
             )
-        if has_act:
-            tokens = "&ndash;" if lay.num_tokens is None else str(lay.num_tokens)
+        rows.append(
+            {
+                "name": lay.name or "<root>",
+                "family": lay.family,
+                "heads": f"{lay.num_heads}" + ("" if lay.num_kv_heads == lay.num_heads else f"/{lay.num_kv_heads}"),
+                "head_dim": lay.head_dim,
+                "model_dim": lay.model_dim,
+                "projections": cells,
+                "effective_heads": _fmt(lay.effective_heads, 2),
+                "mean_correlation": _fmt(lay.mean_correlation),
+                "tokens": "\u2013" if lay.num_tokens is None else str(lay.num_tokens),
+            }
+        )
+    return rows
+
+
+def _grid_rows(report: DiversityReport, files: ReportFiles) -> list[dict[str, Any]]:
+    rows = []
+    for i, lay in enumerate(report.layers):
+        name = lay.name or "<root>"
+        cells = []
+        for p in report.projections:
+            path = files.overlap.get((lay.name, p))
             cells.append(
-                f"<td>{_fmt(lay.effective_heads, 2)}</td><td>{_fmt(lay.mean_correlation)}</td><td>{tokens}</td>"
+                {
+                    "src": None if path is None else _data_uri(path),
+                    "alt": f"{p} overlap of {name}",
+                    "empty": "(one head)",
+                    "caption": f"{p} overlap",
+                    "value_name": "HDI",
+                    "value_sub": "",
+                    "value": _fmt(lay.hdi.get(p)) if path is not None else "",
+                }
             )
-        rows.append("<tr>" + "".join(cells) + "</tr>")
-    mean = ["<td class=name><b>mean</b></td><td></td><td></td><td></td><td></td>"]
-    for p in report.projections:
-        mean.append(f"<td><b>{_fmt(report.mean_hdi(p))}</b></td><td></td><td></td>")
-    if has_act:
-        mean.append("<td></td><td></td><td></td>")
-    rows.append("<tr>" + "".join(mean) + "</tr>")
-    return "<table><tr>" + "".join(head) + "</tr>" + "".join(rows) + "</table>"
+        if files.correlation:
+            path = files.correlation.get(lay.name)
+            cells.append(
+                {
+                    "src": None if path is None else _data_uri(path),
+                    "alt": f"head-output correlation of {name}",
+                    "empty": "\u2013",
+                    "caption": "head-output correlation",
+                    "value_name": "H",
+                    "value_sub": "eff",
+                    "value": _fmt(lay.effective_heads, 2),
+                }
+            )
+        rows.append({"index": i, "name": name, "cells": cells})
+    return rows
 
 
 def _page(report: DiversityReport, files: ReportFiles, title: str, source: str | None) -> str:
-    has_corr = bool(files.correlation)
-    stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
-    src = f" &middot; source: <code>{html.escape(source)}</code>" if source else ""
-    header = "".join(f"<th>{p} overlap</th>" for p in report.projections) + (
-        "<th>head-output correlation</th>" if has_corr else ""
+    """Render the page template (autoescaped) for ``report`` and the pictures in ``files``."""
+    skipped = getattr(report, "skipped", None)  # DiversityReport.skipped: modules found but not measured
+    return _template().render(
+        title=title,
+        source=source,
+        stamp=_dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        weighting=report.weighting,
+        num_layers=len(report.layers),
+        projections=report.projections,
+        has_activations=any(lay.effective_heads is not None for lay in report.layers),
+        summary=_summary_rows(report),
+        mean_hdi=[_fmt(report.mean_hdi(p)) for p in report.projections],
+        skipped=None if skipped is None else list(skipped),
+        plot_src=_data_uri(files.plot),
+        has_correlation=bool(files.correlation),
+        overlap_gradient=_gradient("viridis"),
+        correlation_gradient=_gradient("RdBu_r"),
+        grid=_grid_rows(report, files),
+        cell_min_px=_CELL_MIN_PX,
+        cell_max_px=_CELL_MAX_PX,
     )
-    grid_rows = []
-    for i, lay in enumerate(report.layers):
-        cells = [f"<td class=name style='text-align:left'>{i}<br>{html.escape(lay.name or '<root>')}</td>"]
-        for p in report.projections:
-            path = files.overlap.get((lay.name, p))
-            if path is None:
-                cells.append("<td>(one head)</td>")
-            else:
-                hdi = lay.hdi.get(p)
-                cells.append(
-                    f"<td><img alt='{p} overlap of {html.escape(lay.name)}' src='{_data_uri(path)}'><br>HDI {_fmt(hdi)}</td>"
-                )
-        if has_corr:
-            path = files.correlation.get(lay.name)
-            cells.append(
-                "<td>&ndash;</td>"
-                if path is None
-                else f"<td><img alt='correlation' src='{_data_uri(path)}'><br>H<sub>eff</sub> {_fmt(lay.effective_heads, 2)}</td>"
-            )
-        grid_rows.append("<tr>" + "".join(cells) + "</tr>")
-    legend = (
-        f"overlap &rho;<sub>ij</sub>: 0 <span class=bar style='background:{_gradient('viridis')}'></span> 1"
-        + (
-            f" &nbsp;&nbsp; correlation: &minus;1 <span class=bar style='background:{_gradient('RdBu_r')}'></span> 1"
-            if has_corr
-            else ""
-        )
-        + " &nbsp;&nbsp; grey: invalid (all-zero or non-finite) head"
-    )
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title><style>{_CSS}</style></head>
-<body>
-<h1>{html.escape(title)}</h1>
-<div class=meta>{report.weighting} subspace overlap &middot; {len(report.layers)} attention layer(s) &middot; written {stamp}{src}</div>
-<p class=note>HDI = 1 &minus; mean overlap of head pairs (1: heads read/write orthogonal subspaces; 0: all heads share one
-subspace). <i>chance</i> is the HDI of independent random heads (what initialisation gives); <i>max</i> is the
-frame bound when H&middot;d &gt; D. HDI values below chance are shown in red. H<sub>eff</sub> (effective number
-of heads, from head-output covariance) needs inputs.</p>
-<h2>Summary</h2>
-<div class=scroll>{_table(report)}</div>
-<h2>HDI by layer</h2>
-<img alt="HDI by layer" src="{_data_uri(files.plot)}" style="max-width:100%">
-<h2>Head-pair matrices</h2>
-<p class=note>{legend}</p>
-<div class=scroll><table class=grid><tr><th class=name>layer</th>{header}</tr>
-{"".join(grid_rows)}
-</table></div>
-</body></html>
-"""
 
 
 def write_report(

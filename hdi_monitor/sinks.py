@@ -63,6 +63,11 @@ def custom_scalars_layout(
             "mean head correlation": ["Multiline", [r"^head_correlation/.*"]],
         }
     layout["Diversity events"] = {"events": ["Multiline", [r"^diversity_events/.*"]]}
+    # dead or non-finite heads per projection and layer (0 on every measured step when healthy)
+    layout["Head health"] = {
+        f"invalid heads ({projection})": ["Multiline", [f"^invalid_heads/{re.escape(projection)}/.*"]]
+        for projection in layer_names
+    }
     return layout
 
 

@@ -32,8 +32,14 @@ point at ``s`` sits beside the training loss of step ``s``.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import copy
+import importlib.util
 import math
+import os
+import re
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,12 +59,14 @@ from hdi_monitor.saturation import DiversityEvent, DiversityWarning, SaturationD
 from hdi_monitor.sharding import full_weights, gathers_weights, is_fsdp1_module
 from hdi_monitor.sinks import Sink, TensorBoardSink, custom_scalars_layout
 
+
 __all__ = [
     "HDITracker",
     "Measurement",
     "MonitoringWarning",
     "make_detectors",
     "tracker_settings",
+    "fresh_settings",
     "ACTIVATION_MIN_DELTA",
     "ACTIVATION_COLLAPSE_DELTA",
 ]
@@ -103,6 +111,120 @@ def _finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 
 
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+# ---------------------------------------------------------------- layer revalidation
+
+
+def _signature(module: nn.Module | None, path: str | None) -> tuple[Any, ...]:
+    """What must stay the same for a watched layer to be still valid: where it sits in the model,
+    the module object itself, its submodules and its parameters' shapes (a cheap check, no
+    rediscovery)."""
+    if module is None:
+        return (path, None, (), ())
+    subs = tuple((n, id(m)) for n, m in module.named_modules())
+    shapes = tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
+    return (path, id(module), subs, shapes)
+
+
+def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    module: Any = model
+    for part in path.split(".") if path else ():
+        module = getattr(module, "_modules", {}).get(part)
+        if module is None:
+            return None
+    return module
+
+
+def _heads(layer: AttentionLayer) -> str:
+    kv = f", {layer.num_kv_heads} key/value heads" if layer.num_kv_heads != layer.num_heads else ""
+    return f"{layer.num_heads} heads of width {layer.head_dim}{kv}"
+
+
+def _describe_change(old: AttentionLayer, new: AttentionLayer | None) -> str:
+    if new is None:
+        return f"{old.name}: no longer an attention layer of the model; it is not measured any more"
+    what = "module replaced" if new.module is not old.module else "parameters changed"
+    if (new.num_heads, new.num_kv_heads, new.head_dim) != (old.num_heads, old.num_kv_heads, old.head_dim):
+        return f"{old.name}: {what}, {_heads(old)} -> {_heads(new)}; measuring the new module from now on"
+    return f"{old.name}: {what} ({_heads(new)}); measuring the new module from now on"
+
+
+def _naming_hint(model: nn.Module, limit: int = 10) -> str:
+    names = [n for n, _ in model.named_modules() if n]
+    likely = [n for n in names if re.search(r"attn|attention", n, re.IGNORECASE)]
+    shown = (likely or names)[:limit]
+    more = ", ..." if len((likely or names)) > limit else ""
+    return (
+        f"\nModules of this model{' that look like attention' if likely else ''}: {', '.join(shown)}{more}. "
+        "Select layers with layers=<regex or list of these names>, or describe a layout the built-in families "
+        "do not know with spec=hdi_monitor.AttentionSpec(modules=..., query=..., key=..., value=..., output=..., "
+        "num_heads=...)."
+    )
+
+
+# ---------------------------------------------------------------- warnings
+
+
+_INTERNAL_PACKAGES = ("hdi_monitor", "torch", "lightning", "lightning_fabric", "pytorch_lightning", "transformers", "accelerate")
+_internal_prefixes: tuple[str, ...] | None = None
+
+
+def _internal() -> tuple[str, ...]:
+    global _internal_prefixes
+    if _internal_prefixes is None:
+        prefixes = [contextlib.__file__]
+        for name in _INTERNAL_PACKAGES:
+            with contextlib.suppress(Exception):
+                spec = importlib.util.find_spec(name)
+                for location in (spec.submodule_search_locations or []) if spec else []:
+                    prefixes.append(os.path.join(location, ""))
+        _internal_prefixes = tuple(prefixes)
+    return _internal_prefixes
+
+
+def _warn(message: str, category: type[Warning], *, rank_zero_only: bool = False) -> None:
+    """``warnings.warn`` attributed to the first frame outside hdi-monitor, torch, Lightning and
+    transformers (the user's ``trainer.fit`` or loop line). With ``rank_zero_only`` (for what every
+    rank sees alike: events, layer changes) only rank 0 warns under torch.distributed; a failure of
+    one rank is warned on that rank."""
+    import torch.distributed as dist
+
+    if rank_zero_only and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    internal = _internal()
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(internal):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+def summarize_events(step: int, events: Sequence[DiversityEvent]) -> str:
+    """One line for the events of one measured step, e.g. ``"hdi-monitor step 650: collapse in 3
+    layers, 2 redundant head pairs; ..."``; the full messages are in the Text tab and ``events``."""
+    parts = []
+    for kind in ("saturation", "collapse"):
+        layers = {e.layer for e in events if e.kind == kind}
+        if layers:
+            named = layers - {"mean"}
+            where = f"{len(named)} layer{'s' if len(named) != 1 else ''}" if named else ""
+            if "mean" in layers:
+                where = f"{where} and the model mean" if where else "the model mean"
+            parts.append(f"{kind} in {where}")
+    redundant = [e for e in events if e.kind == "redundancy"]
+    if redundant:
+        pairs = sum(len(e.pairs) for e in redundant)
+        layers = len({e.layer for e in redundant})
+        parts.append(f"{pairs} redundant head pair{'s' if pairs != 1 else ''} in {layers} layer{'s' if layers != 1 else ''}")
+    return (
+        f"hdi-monitor step {step}: {', '.join(parts)}; see the Text tab (diversity_events/*) or monitor.events "
+        "for the full messages"
+    )
+
+
 class HDITracker:
     """Measure head diversity every ``every_n_steps`` optimizer steps.
 
@@ -125,6 +247,10 @@ class HDITracker:
         on_saturation: ``"warn"`` (a :class:`DiversityWarning` per event), ``"stop"`` (warn, and set
             :attr:`stop_requested` on saturation or collapse), or a callable receiving each event.
         strict: raise internal errors instead of turning them into warnings (for tests).
+        seed: seed of the tracker's own ``torch.Generator``, which draws the token subsample
+            (``max_tokens``). The global random generators are never used, so adding the tracker
+            changes no dropout mask; the generator's state is saved in :meth:`state_dict`, so a
+            resumed run subsamples the same tokens as an uninterrupted one.
         fsdp_root: for FSDP1 (``FullyShardedDataParallel``) models, the root FSDP module, when
             ``model`` is not that root itself (it defaults to ``model`` when ``model`` is an FSDP1
             module). Weights are then read one FSDP unit at a time (see
@@ -150,6 +276,7 @@ class HDITracker:
         activation_detector: SaturationDetector | None = None,
         on_saturation: EventAction = "warn",
         strict: bool = False,
+        seed: int = 0,
         fsdp_root: nn.Module | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -160,10 +287,26 @@ class HDITracker:
             every_n_steps=every_n_steps,
             projections=projections,
             weighting=weighting,
+            layers=layers,
+            spec=spec,
             log_images_every_n_steps=log_images_every_n_steps,
+            activations=activations,
             max_tokens=max_tokens,
             on_saturation=on_saturation,
+            strict=strict,
+            seed=seed,
         )
+        for name, value in (("detector", detector), ("activation_detector", activation_detector)):
+            if value is not None and not isinstance(value, SaturationDetector):
+                raise TypeError(f"{name} must be a SaturationDetector or None, got {type(value).__name__}")
+        if isinstance(sinks, (str, bytes)) or not isinstance(sinks, Sequence):
+            raise TypeError(f"sinks must be a sequence of sinks, got {type(sinks).__name__}")
+        for sink in sinks:
+            if not isinstance(sink, Sink):
+                raise TypeError(
+                    f"every sink needs log_scalars, log_images, log_histograms, log_text, log_layout and flush; "
+                    f"got {type(sink).__name__}"
+                )
         self.model = model
         self.every_n_steps = every_n_steps
         self.projections = tuple(projections)
@@ -173,15 +316,18 @@ class HDITracker:
         self.log_images_every_n_steps = (
             10 * every_n_steps if log_images_every_n_steps is None else log_images_every_n_steps
         )
-        self.activations = bool(activations)
+        self.activations = activations
         self.max_tokens = max_tokens
+        self.seed = seed
+        # private RNG for the token subsample: the global generators are never drawn from
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.sinks: list[Sink] = list(sinks)
         if writer is not None:
             self.sinks.append(TensorBoardSink(writer))
         self.detector = detector
         self.activation_detector = activation_detector
         self.on_saturation = on_saturation
-        self.strict = bool(strict)
+        self.strict = strict
         if fsdp_root is None and is_fsdp1_module(model):
             fsdp_root = model
         self.fsdp_root: nn.Module | None = fsdp_root
@@ -193,6 +339,10 @@ class HDITracker:
         self.stop_requested = False
         self.disabled = False
         self._layers: list[AttentionLayer] | None = None
+        self._signatures: list[tuple[Any, ...]] = []  # per layer: (path, module, parameter shapes)
+        self._notes: list[str] = []  # MonitoringWarning lines of the measurement under way (one warning)
+        self._invalid_seen: set[tuple[str, str]] = set()  # (layer, projection) already warned about
+        self._failed_sinks: set[int] = set()  # id() of sinks that failed once (warned once)
         self._pending: _Pending | None = None
         self._scheduled: int | None = None  # step of the measurement under way (set even if it failed)
         self._handles: list[Any] = []
@@ -203,10 +353,55 @@ class HDITracker:
     # ------------------------------------------------------------------ public driving API
     @property
     def layers(self) -> list[AttentionLayer]:
-        """The attention layers being watched (found on first use)."""
+        """The attention layers being watched (found on first use, see :meth:`setup`)."""
         if self._layers is None:
-            self._layers = find_attention_layers(self.model, spec=self.spec, layers=self.layer_filter)
+            self.setup()
+        assert self._layers is not None
         return self._layers
+
+    def setup(self) -> list[AttentionLayer]:
+        """Find the attention layers now; call before training (the integrations do).
+
+        Raises:
+            ValueError: no attention layer was found, or the ``layers`` filter matches none; the
+                message names the model's modules and says how to pass ``layers`` or ``spec``.
+            TypeError: ``layers`` or ``spec`` has the wrong type.
+        """
+        try:
+            found = find_attention_layers(self.model, spec=self.spec, layers=self.layer_filter)
+        except ValueError as err:
+            raise ValueError(f"hdi-monitor cannot watch {type(self.model).__name__}: {err}{_naming_hint(self.model)}") from err
+        self._set_layers(found)
+        return found
+
+    def _set_layers(self, layers: list[AttentionLayer]) -> None:
+        paths = {id(m): n for n, m in self.model.named_modules()}
+        self._layers = layers
+        self._signatures = [_signature(la.module, paths.get(id(la.module))) for la in layers]
+
+    def _revalidate(self) -> list[AttentionLayer]:
+        """Check, cheaply, that every watched layer is still the module in the model with the same
+        parameter shapes; if not, rediscover once and note what changed (one MonitoringWarning)."""
+        layers = self.layers
+        stale = [
+            la for la, sig in zip(layers, self._signatures)
+            if sig[0] is None or _signature(_submodule(self.model, sig[0]), sig[0]) != sig
+        ]
+        if not stale:
+            return layers
+        try:
+            found = find_attention_layers(self.model, spec=self.spec, layers=self.layer_filter)
+        except ValueError as err:
+            names = ", ".join(la.name for la in stale)
+            raise ValueError(f"attention layer(s) {names} changed and the model no longer matches: {err}") from err
+        new = {la.name: la for la in found}
+        old = {la.name: la for la in layers}
+        for la in stale:
+            self._notes.append(_describe_change(la, new.get(la.name)))
+        for name in new.keys() - old.keys():
+            self._notes.append(f"{name}: new attention layer, measured from now on ({_heads(new[name])})")
+        self._set_layers(found)
+        return found
 
     @property
     def current_step(self) -> int:
@@ -245,14 +440,17 @@ class HDITracker:
     def _start(self, step: int, batch: Any) -> bool:
         self.stop_capture()
         self._pending = None  # an unfinished earlier measurement (e.g. after an exception) is dropped
+        self._notes = []
+        if self._layers is None:
+            self.setup()  # a model the monitor cannot watch fails here, before its first step
         with self._guard("measuring weights"), no_autocast():
-            layers = self.layers
+            layers = self._revalidate()
             report = compute_report(
                 layers, projections=self.projections, weighting=self.weighting, fsdp_root=self.fsdp_root
             )
             accs: list[HeadCovarianceAccumulator | None] = [None] * len(layers)
             if self.activations:
-                accs = [output_accumulator(la, max_tokens=self.max_tokens) for la in layers]
+                accs = [output_accumulator(la, max_tokens=self.max_tokens, generator=self.generator) for la in layers]
             self._pending = _Pending(step=step, report=report, accumulators=accs)
             self._attach(batch)
             return True
@@ -347,8 +545,10 @@ class HDITracker:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """History, last measured step and detector state (plain Python types)."""
+        """History, last measured step, detector state and the subsample generator's state (plain
+        Python types: JSON-ready, and loadable with ``torch.load(..., weights_only=True)``)."""
         return {
+            "generator": base64.b64encode(self.generator.get_state().numpy().tobytes()).decode("ascii"),
             "history": [dict(h) for h in self.history],
             "last_step": self._last_step,
             "step": self._step,
@@ -368,6 +568,9 @@ class HDITracker:
             self.detector.load_state_dict(state["detector"])
         if self.activation_detector is not None and state.get("activation_detector") is not None:
             self.activation_detector.load_state_dict(state["activation_detector"])
+        if state.get("generator") is not None:
+            raw = base64.b64decode(state["generator"])
+            self.generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
     # ------------------------------------------------------------------ internals
     @contextlib.contextmanager
@@ -379,11 +582,10 @@ class HDITracker:
             self._pending = None
             if self.strict:
                 raise
-            warnings.warn(
+            _warn(
                 f"hdi-monitor: error while {what}; training goes on, this measurement is skipped "
                 f"({type(err).__name__}: {err}). Pass strict=True to raise instead.",
                 MonitoringWarning,
-                stacklevel=3,
             )
 
     def _attach(self, batch: Any) -> None:
@@ -400,11 +602,10 @@ class HDITracker:
         if self._pending is None:
             return  # already dropped (and warned) by an earlier hook of this forward pass
         self._pending = None
-        warnings.warn(
+        _warn(
             f"hdi-monitor: error while capturing head outputs; training goes on, this measurement is skipped "
             f"({type(err).__name__}: {err}). Pass strict=True to raise instead.",
             MonitoringWarning,
-            stacklevel=2,
         )
 
     def _gather_statistics(self, pending: _Pending, errors: list[Exception]) -> None:
@@ -445,13 +646,38 @@ class HDITracker:
         for event in events:
             scalars[f"diversity_events/{event.kind}"] = scalars.get(f"diversity_events/{event.kind}", 0.0) + 1.0
         measurement = Measurement(step=step, report=report, scalars=scalars, events=events)
-        self._write(measurement, *pictures)
+        # results first, so that no sink can lose them; then the warnings; then the sinks, each alone
         self.history.append({"step": float(step), **scalars})
         self.events.extend(events)
         self.last_measurement = measurement
         self._last_step = max(self._last_step, step)
-        self._dispatch(events)
+        self._note_invalid_heads(report)
+        notes, self._notes = self._notes, []
+        if notes:
+            lines = "\n  ".join(notes)
+            _warn(
+                f"hdi-monitor step {step}: {len(notes)} change(s) in the watched layers:\n  {lines}",
+                MonitoringWarning,
+                rank_zero_only=True,
+            )
+        self._dispatch(step, events)
+        self._write(measurement, *pictures)
         return measurement
+
+    def _note_invalid_heads(self, report: DiversityReport) -> None:
+        """One note the first time a layer and projection has dead (all-zero) or non-finite heads."""
+        for layer in report.layers:
+            for projection in self.projections:
+                bad = layer.invalid_heads.get(projection) or []
+                if bad and (layer.name, projection) not in self._invalid_seen:
+                    self._invalid_seen.add((layer.name, projection))
+                    total = layer.num_kv_heads if projection in ("key", "value") else layer.num_heads
+                    valid = total - len(bad)
+                    self._notes.append(
+                        f"{layer.name} ({projection}): head(s) {bad} are dead (all zero) or non-finite; "
+                        f"its HDI is over the {valid} valid head(s) of {total} "
+                        f"(scalar invalid_heads/{projection}/{layer.name})"
+                    )
 
     def _skip(self, err: Exception | None, what: str) -> None:
         """Drop a measurement that failed on this rank (``err``: warn, or raise when strict) or on
@@ -461,11 +687,10 @@ class HDITracker:
         if self.strict:
             raise err
         reason = f"{type(err).__name__}: {err}"
-        warnings.warn(
+        _warn(
             f"hdi-monitor: error while {what}; training goes on, this measurement is skipped ({reason}). "
             "Pass strict=True to raise instead.",
             MonitoringWarning,
-            stacklevel=3,
         )
 
     def _compile_fallback(self) -> None:
@@ -473,13 +698,13 @@ class HDITracker:
         missed = [la.name for la, n in zip(self.layers, self.last_token_counts) if n == 0]
         shown = ", ".join(missed[:3]) + (", ..." if len(missed) > 3 else "")
         self.activations = False
-        warnings.warn(
+        _warn(
             f"hdi-monitor: the model runs under torch.compile and the head-output hooks of {len(missed)} "
             f"layer(s) ({shown}) did not run inside the compiled forward (Dynamo does not see hooks attached "
             "after compilation). Activation statistics (covariance, effective heads) are off from now on; the "
             "weight-based HDI is unaffected. Pass activations=False to silence this warning.",
             MonitoringWarning,
-            stacklevel=4,
+            rank_zero_only=True,
         )
 
     def _scalars(self, report: DiversityReport) -> dict[str, float]:
@@ -487,6 +712,8 @@ class HDITracker:
         for projection in self.projections:
             chance, cap = [], []
             for layer in report.layers:
+                # on every measured step, so a dead or NaN head is never silent (0 when none)
+                scalars[f"invalid_heads/{projection}/{layer.name}"] = float(len(layer.invalid_heads.get(projection) or []))
                 value = layer.hdi.get(projection)
                 if _finite(value):
                     scalars[f"hdi/{projection}/{layer.name}"] = float(value)
@@ -607,32 +834,53 @@ class HDITracker:
         return {p: torch.cat([v for v in vs if v is not None] or [torch.empty(0)]) for p, vs in values.items()}
 
     def _write(self, m: Measurement, images: dict[str, Tensor], histograms: dict[str, Tensor]) -> None:
+        """Write to every sink, each guarded alone: a failing sink loses only its own write."""
         if not self.sinks:
             return
+        layout = None
         if not self._layout_logged:
             names = {p: [la.name for la in m.report.layers if la.hdi.get(p) is not None] for p in self.projections}
             layout = custom_scalars_layout(names, activations=self.activations)
-            for sink in self.sinks:
-                sink.log_layout(layout)
             self._layout_logged = True
+        first_error: Exception | None = None
         for sink in self.sinks:
-            sink.log_scalars(m.scalars, m.step)
-            if images:
-                sink.log_images(images, m.step)
-            if histograms:
-                sink.log_histograms(histograms, m.step)
-            for event in m.events:
-                sink.log_text(f"diversity_events/{event.kind}", event.message, m.step)
-            sink.flush()
+            try:
+                if layout is not None:
+                    sink.log_layout(layout)
+                sink.log_scalars(m.scalars, m.step)
+                if images:
+                    sink.log_images(images, m.step)
+                if histograms:
+                    sink.log_histograms(histograms, m.step)
+                for event in m.events:
+                    sink.log_text(f"diversity_events/{event.kind}", event.message, m.step)
+                sink.flush()
+            except Exception as err:  # noqa: BLE001 - one sink's failure must not cost the others
+                first_error = first_error or err
+                if id(sink) not in self._failed_sinks and not self.strict:
+                    self._failed_sinks.add(id(sink))
+                    _warn(
+                        f"hdi-monitor: sink {type(sink).__name__} failed at step {m.step} ({type(err).__name__}: {err}); "
+                        "its write is skipped, the other sinks, history and events are kept. Later failures of "
+                        "this sink are not reported again.",
+                        MonitoringWarning,
+                    )
+        if first_error is not None and self.strict:
+            raise first_error
 
-    def _dispatch(self, events: list[DiversityEvent]) -> None:
-        for event in events:
-            if callable(self.on_saturation):
+    def _dispatch(self, step: int, events: list[DiversityEvent]) -> None:
+        """The events of one measured step: a callable gets each one; otherwise at most one
+        DiversityWarning (the one message, or a summary) and the stop flag."""
+        if not events:
+            return
+        if callable(self.on_saturation):
+            for event in events:
                 self.on_saturation(event)
-                continue
-            warnings.warn(event.message, DiversityWarning, stacklevel=4)
-            if self.on_saturation == "stop" and event.kind in ("saturation", "collapse"):
-                self.stop_requested = True
+            return
+        if self.on_saturation == "stop" and any(e.kind in ("saturation", "collapse") for e in events):
+            self.stop_requested = True
+        message = events[0].message if len(events) == 1 else summarize_events(step, events)
+        _warn(message, DiversityWarning, rank_zero_only=True)
 
 
 def make_detectors(
@@ -682,6 +930,7 @@ def tracker_settings(
     redundancy_threshold: float,
     on_saturation: EventAction,
     strict: bool,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Validate an integration's settings and turn them into :class:`HDITracker` keyword arguments.
 
@@ -692,12 +941,19 @@ def tracker_settings(
         every_n_steps=every_n_steps,
         projections=projections,
         weighting=weighting,
+        layers=layers,
+        spec=spec,
         log_images_every_n_steps=log_images_every_n_steps,
+        activations=activations,
         max_tokens=max_tokens,
         on_saturation=on_saturation,
+        strict=strict,
+        seed=seed,
     )
+    _check_bool("early_warning", early_warning)
+    # built even with early_warning=False, so that bad detector settings fail here too
     detector, activation_detector = make_detectors(
-        early_warning=early_warning,
+        early_warning=True,
         activations=activations,
         patience=patience,
         min_delta=min_delta,
@@ -706,6 +962,8 @@ def tracker_settings(
         collapse_delta=collapse_delta,
         redundancy_threshold=redundancy_threshold,
     )
+    if not early_warning:
+        detector = activation_detector = None
     return {
         "every_n_steps": every_n_steps,
         "projections": tuple(projections),
@@ -713,13 +971,23 @@ def tracker_settings(
         "layers": layers,
         "spec": spec,
         "log_images_every_n_steps": log_images_every_n_steps,
-        "activations": bool(activations),
+        "activations": activations,
         "max_tokens": max_tokens,
         "detector": detector,
         "activation_detector": activation_detector,
         "on_saturation": on_saturation,
-        "strict": bool(strict),
+        "strict": strict,
+        "seed": seed,
     }
+
+
+def fresh_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` from :func:`tracker_settings` with detectors of their own (untouched copies), for a
+    new tracker: two trackers built from the same settings never share detector state."""
+    out = dict(settings)
+    for key in ("detector", "activation_detector"):
+        out[key] = copy.deepcopy(settings.get(key))
+    return out
 
 
 def validate_settings(
@@ -727,11 +995,19 @@ def validate_settings(
     every_n_steps: int,
     projections: Sequence[str],
     weighting: str,
+    layers: str | Sequence[str] | None = None,
+    spec: AttentionSpec | None = None,
     log_images_every_n_steps: int | None,
+    activations: bool = True,
     max_tokens: int | None,
     on_saturation: EventAction,
+    strict: bool = False,
+    seed: int = 0,
 ) -> None:
-    """Check the tracker's settings; shared with the Lightning callback so both fail in ``__init__``."""
+    """Check the tracker's settings (the one place that does); the integrations call it through
+    :func:`tracker_settings` in their ``__init__``, so every bad value fails there, before fit.
+    What needs the model (a layer found, a ``layers`` filter matching) is checked by
+    :meth:`HDITracker.setup`."""
     _check_positive_int("every_n_steps", every_n_steps)
     if isinstance(projections, str) or not isinstance(projections, Sequence) or not projections:
         raise ValueError(f"projections must be a non-empty sequence drawn from {PROJECTIONS}, got {projections!r}")
@@ -748,6 +1024,25 @@ def validate_settings(
         _check_positive_int("max_tokens", max_tokens)
     if not callable(on_saturation) and on_saturation not in ("warn", "stop"):
         raise ValueError(f"on_saturation must be 'warn', 'stop' or a callable, got {on_saturation!r}")
+    if isinstance(layers, str):
+        try:
+            re.compile(layers)
+        except re.error as exc:
+            raise ValueError(f"layers is not a valid regex: {layers!r} ({exc})") from exc
+    elif layers is not None:
+        if not isinstance(layers, Sequence) or not all(isinstance(n, str) for n in layers):
+            raise TypeError("layers must be a regex string or a sequence of qualified layer names")
+        if not layers:
+            raise ValueError("layers=[] selects no attention layer; give None to watch every layer")
+    if spec is not None and not isinstance(spec, AttentionSpec):
+        raise TypeError(
+            f"spec must be an AttentionSpec or None, got {type(spec).__name__} {spec!r}; families are found "
+            "without one, a spec describes a layout they do not know"
+        )
+    _check_bool("activations", activations)
+    _check_bool("strict", strict)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
 
 
 def _is_compiled(model: nn.Module) -> bool:

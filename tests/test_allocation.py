@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import scipy.optimize
 from hdi_monitor.allocation import (
     AllocationLaw,
     AllocationRun,
+    feasible_head_dims,
     fit_allocation_law,
     load_sweep,
     load_sweep_csv,
@@ -27,7 +29,9 @@ TRUE = AllocationLaw(sigma2=0.05, a=2.0, alpha=0.8, c=3.0, beta=6.0, rho=0.3)
 def _hand_loss(law: AllocationLaw, H: float, d: float, N: float, rho: float | None = None) -> float:
     """The documented formula, written out independently of the library."""
     r = law.rho if rho is None else rho
-    return law.sigma2 + law.a * d ** (-law.alpha) + law.c * N ** (-2 * law.beta / (2 * law.beta + d)) * (r + (1 - r) / H)
+    return (
+        law.sigma2 + law.a * d ** (-law.alpha) + law.c * N ** (-2 * law.beta / (2 * law.beta + d)) * (r + (1 - r) / H)
+    )
 
 
 def _synthetic_sweep(law: AllocationLaw, seed: int, noise: float = 0.03, budgets=(64, 128, 256)) -> list[AllocationRun]:
@@ -58,7 +62,9 @@ def test_predict_matches_the_documented_formula():
     expected = 0.1 + 0.5 + 3.0 * 100.0 ** (-3.0 / 19.0) * 0.4
     assert law.predict(4, 16, 100) == pytest.approx(expected, rel=1e-14)
     # a measured correlation replaces rho
-    assert law.predict(4, 16, 100, correlation=0.6) == pytest.approx(0.6 + 3.0 * 100.0 ** (-3.0 / 19.0) * 0.7, rel=1e-14)
+    assert law.predict(4, 16, 100, correlation=0.6) == pytest.approx(
+        0.6 + 3.0 * 100.0 ** (-3.0 / 19.0) * 0.7, rel=1e-14
+    )
     t = law.terms(np.array([1, 4]), np.array([64, 16]), 100)
     assert np.allclose(t["noise"] + t["approximation"] + t["estimation"] * t["ensemble_factor"], t["loss"])
     assert t["ensemble_factor"][0] == pytest.approx(1.0)  # one head: no averaging
@@ -76,23 +82,68 @@ def test_law_rejects_bad_parameters(kwargs):
         AllocationLaw().replace(gamma=1.0)
 
 
-def test_continuous_optimum_agrees_with_scipy():
-    laws = [AllocationLaw(), TRUE, AllocationLaw(sigma2=0.0, a=0.3, alpha=2.0, c=5.0, beta=2.0, rho=0.05)]
-    for law in laws:
-        for D, N in [(768, 1e6), (256, 1e3), (4096, 1e9), (64, 30.0)]:
-            ours = optimal_head_dim(D, N, law)
+def _hand_dloss_dd(law: AllocationLaw, d: float, D: float, N: float) -> float:
+    """dL(D/d, d, N)/dd of the documented law, differentiated by hand."""
+    g = law.rho + (1 - law.rho) * d / D  # the ensemble factor at H = D / d
+    estim = law.c * N ** (-2 * law.beta / (2 * law.beta + d))
+    slope = 2 * law.beta * math.log(N) / (2 * law.beta + d) ** 2
+    return -law.alpha * law.a * d ** (-law.alpha - 1) + estim * (g * slope + (1 - law.rho) / D)
 
-            def f(logd, D=D, N=N, law=law):
-                d = math.exp(logd)
-                return _hand_loss(law, D / d, d, N)
 
-            grid = np.linspace(0.0, math.log(D), 4001)
-            g0 = grid[int(np.argmin([f(x) for x in grid]))]
-            ref = scipy.optimize.minimize_scalar(
-                f, bounds=(max(0.0, g0 - 0.01), min(math.log(D), g0 + 0.01)), method="bounded", options={"xatol": 1e-12}
-            )
-            assert f(math.log(ours)) <= ref.fun * (1 + 1e-12) + 1e-15
-            assert ours == pytest.approx(math.exp(ref.x), rel=1e-4)
+LAWS = [AllocationLaw(), TRUE, AllocationLaw(sigma2=0.0, a=0.3, alpha=2.0, c=5.0, beta=2.0, rho=0.05)]
+
+
+@pytest.mark.parametrize("law", LAWS)
+@pytest.mark.parametrize("D, N", [(768, 1e6), (256, 1e3), (4096, 1e9), (64, 30.0)])
+def test_continuous_optimum_is_the_root_of_the_hand_derivative_and_beats_a_dense_grid(law, D, N):
+    ours = optimal_head_dim(D, N, law)
+    # brute force: no point of a 200,001-point log grid over [1, D] is lower
+    grid = np.exp(np.linspace(0.0, math.log(D), 200_001))
+    brute = float(np.min(_hand_loss(law, D / grid, grid, N)))  # the hand formula broadcasts over numpy arrays
+    assert _hand_loss(law, D / ours, ours, N) <= brute * (1 + 1e-12)
+    if 1.0001 < ours < D / 1.0001:  # interior: dL/dd = 0 there, solved independently with brentq
+        root = scipy.optimize.brentq(lambda d: _hand_dloss_dd(law, d, D, N), ours / 1.2, ours * 1.2, xtol=1e-13)
+        assert ours == pytest.approx(root, rel=1e-6)
+    else:  # on an edge: the slope points out of the range
+        assert _hand_dloss_dd(law, ours, D, N) * (1 if ours < 2 else -1) > 0
+
+
+@pytest.mark.parametrize("d_star", [3.0, 37.0, 181.5])
+def test_continuous_optimum_of_a_law_built_to_have_a_known_optimum(d_star):
+    # rho = 1 makes the ensemble factor 1, so dL/dd = 0 reads
+    #   alpha a d^(-alpha-1) = c N^(-2 beta/(2 beta + d)) 2 beta ln N / (2 beta + d)^2;
+    # solving it for `a` at d = d_star builds a law whose optimum is d_star, for any D >= d_star.
+    alpha, c, beta, N = 0.7, 2.0, 5.0, 1e7
+    a = c * N ** (-2 * beta / (2 * beta + d_star)) * 2 * beta * math.log(N) / (2 * beta + d_star) ** 2
+    a *= d_star ** (alpha + 1) / alpha
+    law = AllocationLaw(sigma2=0.01, a=a, alpha=alpha, c=c, beta=beta, rho=1.0)
+    for D in (256, 1024):
+        assert optimal_head_dim(D, N, law) == pytest.approx(d_star, rel=1e-7)
+    # a bound inside the basin is respected exactly
+    assert optimal_head_dim(1024, N, law, bounds=(1.0, d_star / 2)) == pytest.approx(d_star / 2, rel=1e-9)
+
+
+def test_keyword_only_options():
+    law = AllocationLaw()
+    with pytest.raises(TypeError):
+        law.predict(4, 16, 100, 0.5)  # correlation is keyword-only
+    with pytest.raises(TypeError):
+        optimal_head_dim(768, 1e6, law, (8.0, 256.0))
+    with pytest.raises(TypeError):
+        feasible_head_dims(768, 8, 256)
+    assert feasible_head_dims(768, min_head_dim=8, max_head_dim=256) == [d for d in _divisors(768) if 8 <= d <= 256]
+
+
+def test_missing_scipy_gives_an_install_hint(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)  # `import scipy.optimize` now raises ImportError
+    assert AllocationLaw().predict(4, 16, 100) > 0  # the law itself needs no scipy
+    with pytest.raises(ImportError, match=r"hdi-monitor\[advisor\]"):
+        optimal_head_dim(768, 1e6)
+    with pytest.raises(ImportError, match=r"hdi-monitor\[advisor\]"):
+        fit_allocation_law(_synthetic_sweep(TRUE, 0))
+    assert main(["allocate", "--budget", "768", "--train-size", "1e6"]) == 2
+    err = capsys.readouterr().err
+    assert "hdi-monitor[advisor]" in err and len(err.strip().splitlines()) == 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,10 +269,28 @@ def test_fit_recovers_parameters_from_noiseless_sweep():
         assert getattr(fit.law, name) == pytest.approx(value, rel=1e-5), name
 
 
+@pytest.mark.parametrize("edge, value", [("sigma2", 0.0), ("rho", 1.0)])
+def test_a_parameter_on_the_edge_of_its_range_is_reported(edge, value):
+    law = TRUE.replace(**{edge: value})
+    fit = fit_allocation_law(_synthetic_sweep(law, 0, noise=0.0))
+    assert fit.rms_log_residual < 1e-6
+    assert getattr(fit.law, edge) == pytest.approx(value, abs=1e-6)
+    assert edge in fit.at_bound and math.isnan(fit.stderr[edge])
+    assert f"{edge}={value:.4g} (at the bound of its range)" in fit.summary()
+    if edge == "sigma2":
+        assert fit.law.sigma2 == 0.0  # a vanished noise floor is reported as exactly 0
+    others = [n for n in ("a", "alpha", "c", "beta") if n not in fit.at_bound]
+    assert others == ["a", "alpha", "c", "beta"]
+    for name in others:
+        assert getattr(fit.law, name) == pytest.approx(getattr(law, name), rel=1e-4), name
+
+
 def test_fit_residuals_are_log_prediction_errors():
     runs = _synthetic_sweep(TRUE, 1)
     fit = fit_allocation_law(runs)
-    expected = np.array([math.log(_hand_loss(fit.law, r.num_heads, r.head_dim, r.n_train)) - math.log(r.loss) for r in runs])
+    expected = np.array(
+        [math.log(_hand_loss(fit.law, r.num_heads, r.head_dim, r.n_train)) - math.log(r.loss) for r in runs]
+    )
     assert np.allclose(fit.residuals, expected, atol=1e-12)
     assert fit.rms_log_residual == pytest.approx(math.sqrt(np.mean(expected**2)))
     assert fit.max_abs_log_residual == pytest.approx(np.abs(expected).max())
@@ -242,8 +311,12 @@ def test_fit_reaches_the_scipy_least_squares_optimum():
         return np.log(s + a * d**-al + c * N ** (-2 * b / (2 * b + d)) * (rho + (1 - rho) / H)) - np.log(y)
 
     ref = scipy.optimize.least_squares(
-        resid, x0=list(TRUE.as_dict().values()), bounds=([0, 1e-9, 1e-3, 1e-9, 1e-3, 0], [10, 1e3, 20, 1e3, 1e4, 1]),
-        xtol=1e-15, ftol=1e-15, gtol=1e-15,
+        resid,
+        x0=list(TRUE.as_dict().values()),
+        bounds=([0, 1e-9, 1e-3, 1e-9, 1e-3, 0], [10, 1e3, 20, 1e3, 1e4, 1]),
+        xtol=1e-15,
+        ftol=1e-15,
+        gtol=1e-15,
     )
     ours = fit_allocation_law(runs)
     ref_cost = 0.5 * float(ref.fun @ ref.fun)
@@ -339,7 +412,7 @@ def test_load_sweep_csv_and_records(tmp_path):
         ("H,d_k,N\n8,8,1000\n", r"missing required column.*loss"),
         ("H,d_k,N,loss\n8,8,1000,abc\n", r"line 2: column 'loss' is 'abc', not a number"),
         ("H,d_k,N,loss\n8,8,1000,0.5\n8.5,8,1000,0.5\n", r"line 3: column 'H' is 8.5, not an integer"),
-        ("H,d_k,N,loss\n8,8,1000,-1\n", r"line 2: loss must be finite and > 0"),
+        ("H,d_k,N,loss\n8,8,1000,-1\n", r"line 2: loss must be > 0, got -1"),
         ("H,d_k,N,loss\n8,8,1000\n", r"line 2: 3 fields, but the header has 4"),
         ("H,d_k,N,loss,total_dim\n8,8,1000,0.5,128\n", r"total_dim=128 but num_heads\*head_dim=8\*8=64"),
         ("H,d_k,N,loss\n", "header only"),
@@ -385,7 +458,9 @@ def test_cli_prints_recommendation_table_and_writes_plot(tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     rec = recommend_allocation(768, 1e6, current_heads=8)
-    assert f"Recommended: H={rec.num_heads} heads x d_k={rec.head_dim}" in text
+    dims = [d for d in _divisors(768) if 8 <= d <= 256]
+    best = dims[int(np.argmin([_hand_loss(AllocationLaw(), 768 // d, d, 1e6) for d in dims]))]  # brute force
+    assert f"Recommended: H={768 // best} heads x d_k={best}" in text
     assert rec.format_table() in text
     assert sum("<- " in line and "current" in line for line in text.splitlines()) == 1
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
@@ -438,8 +513,11 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, extra, match):
 
 
 def test_cli_argument_errors_exit_2():
-    for argv in (["allocate", "--train-size", "100"], ["allocate", "--budget", "0", "--train-size", "100"],
-                 ["allocate", "--budget", "64", "--train-size", "abc"]):
+    for argv in (
+        ["allocate", "--train-size", "100"],
+        ["allocate", "--budget", "0", "--train-size", "100"],
+        ["allocate", "--budget", "64", "--train-size", "abc"],
+    ):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2
@@ -449,8 +527,21 @@ def test_cli_subprocess_bad_csv_has_no_traceback(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("H,d_k,N\n8,8,1000\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "hdi_monitor.cli", "allocate", "--budget", "64", "--train-size", "1000", "--sweep", str(bad)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "hdi_monitor.cli",
+            "allocate",
+            "--budget",
+            "64",
+            "--train-size",
+            "1000",
+            "--sweep",
+            str(bad),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -471,4 +562,17 @@ def test_example_quick_run_writes_its_outputs(tmp_path):
     runs = load_sweep_csv(tmp_path / "sweep.csv")
     assert len(runs) == 15 and all(r.num_heads * r.head_dim == 16 for r in runs)
     assert (tmp_path / "allocation.png").read_bytes()[:4] == b"\x89PNG"
-    assert "What it shows" in (tmp_path / "allocation.md").read_text()
+    report = (tmp_path / "allocation.md").read_text()
+    assert "What it shows" in report
+    # the MSE table's "best d_k" is the argmin of the losses the script wrote to sweep.csv
+    rows = [
+        [c.strip() for c in line.split("|")[1:-1]]
+        for line in report.splitlines()
+        if re.match(r"\| \d+ \| .*\*\*", line)
+    ]
+    assert len(rows) == 3
+    for cells in rows:
+        n = float(cells[0])
+        best = min((r for r in runs if r.n_train == n), key=lambda r: r.loss)
+        assert int(cells[6]) == best.head_dim, cells
+        assert f"**{best.loss:.4f}**" in cells[1:6]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -130,6 +129,17 @@ def test_custom_scalars_layout_written_once(tb_run):
     for tag in [f"hdi/key/{n}" for n in LAYERS] + ["hdi_chance/key", "hdi/key/mean"]:
         assert any(re.search(p, tag) for p in patterns), tag
     assert not any(re.search(p, "hdi/query/" + LAYERS[0]) for p in patterns)
+    health = next(c for cat in found[0].category for c in cat.chart if c.title == "invalid heads (key)")
+    assert any(re.search(p, f"invalid_heads/key/{LAYERS[1]}") for p in health.multiline.tag)
+
+
+def test_invalid_head_counts_logged_on_every_measured_step(tb_run):
+    """Item 5 (issue 12): invalid_heads/<projection>/<layer> is a scalar on every measured step (0 here)."""
+    accs = tb_run[3]
+    for p in PROJECTIONS:
+        for layer in LAYERS:
+            series = scalar_series(accs, f"invalid_heads/{p}/{layer}")
+            assert series == {0: 0.0, 3: 0.0, 6: 0.0, 9: 0.0}
 
 
 def test_activation_scalars_logged(tb_run):
@@ -179,6 +189,36 @@ def test_resume_continues_history_without_duplicates(tmp_path):
     accs = read_events(tmp_path / "tb")
     series = scalar_series(accs, f"hdi/key/{LAYERS[0]}")  # asserts no step appears twice across files
     assert sorted(series) == [0, 2, 4, 6, 8]
+
+
+def test_fit_twice_on_one_trainer_continues_history_and_detector(tmp_path):
+    """Item 4 (issue 12): a second trainer.fit on the same Trainer continues the history, the events
+    and the detector on Lightning's own step axis; a new Trainer starts afresh."""
+    model = tiny_lm(lr=0.0)  # flat HDI: saturation needs patience + 1 = 4 measurements in one series
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, patience=3, warmup_steps=0, strict=True)
+    t = pl.Trainer(
+        max_epochs=1, logger=TensorBoardLogger(str(tmp_path), name="tb"), callbacks=[monitor], accelerator="cpu",
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+    )
+    t.fit(model, loader(n=16))  # 4 steps: measured 0, 2
+    assert [h["step"] for h in monitor.history] == [0, 2] and monitor.tracker.events == []
+    t.fit_loop.max_epochs = 2
+    with pytest.warns(UserWarning):  # the DiversityWarning of step 6 (and Lightning's own notes)
+        t.fit(model, loader(n=16))  # steps 4..7: measured 4, 6
+    assert t.global_step == 8
+    assert [h["step"] for h in monitor.history] == [0, 2, 4, 6]
+    saturated = {(e.layer, e.step) for e in monitor.tracker.events if e.kind == "saturation"}
+    assert (LAYERS[0], 6) in saturated  # the detector saw all four measurements
+    series = scalar_series(read_events(t.logger.log_dir), f"hdi/key/{LAYERS[0]}")
+    assert sorted(series) == [0, 2, 4, 6]
+
+    t2 = pl.Trainer(
+        max_steps=3, logger=False, callbacks=[monitor], accelerator="cpu", enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    t2.fit(model, loader(n=16))
+    assert [h["step"] for h in monitor.history] == [0, 2]
+    assert monitor.tracker.events == []
 
 
 def test_gradient_accumulation_measures_optimizer_steps(tmp_path):
@@ -269,24 +309,35 @@ def test_bad_arguments_fail_in_init(kwargs, match):
         HDIMonitor(**kwargs)
 
 
-def test_no_attention_layer_disables_with_warning(tmp_path):
+def test_no_attention_layer_raises_in_setup_before_the_first_step(tmp_path):
+    """Item 6 (issue 12): a model the monitor cannot watch fails in setup, naming its modules and
+    how to pass a spec; it never trains unmonitored."""
+
     class MLP(pl.LightningModule):
         def __init__(self):
             super().__init__()
             self.net = torch.nn.Linear(16, 128)
+            self.steps = 0
 
         def training_step(self, batch, batch_idx):
+            self.steps += 1
             return self.net(batch[0].float()).mean()
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
-    monitor = HDIMonitor(every_n_steps=1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer(tmp_path, monitor, max_steps=2).fit(MLP(), loader())
-    assert any("HDIMonitor is disabled" in str(w.message) for w in caught)
-    assert monitor.history == []
+    model = MLP()
+    with pytest.raises(ValueError, match=r"no attention layer found in MLP(.|\n)*Modules of this model: net(.|\n)*spec="):
+        trainer(tmp_path, HDIMonitor(every_n_steps=1), max_steps=2).fit(model, loader())
+    assert model.steps == 0
+
+
+def test_layers_filter_matching_nothing_raises_with_the_real_names(tmp_path):
+    """Item 6 (issue 12): a `layers` filter that matches no layer raises in setup and lists the layers."""
+    model = tiny_lm()
+    with pytest.raises(ValueError, match=r"matches none(.|\n)*encoder\.layers\.0\.self_attn"):
+        trainer(tmp_path, HDIMonitor(every_n_steps=1, layers=r"decoder"), max_steps=2).fit(model, loader())
+    assert model.global_step == 0
 
 
 def test_points_use_the_weights_of_their_forward_pass(tmp_path):

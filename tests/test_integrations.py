@@ -395,3 +395,42 @@ def test_example_hf_trainer_runs(tmp_path, capsys):
     accs = read_events(tmp_path)
     assert sorted(scalar_series(accs, "hdi/key/transformer.h.0.attn")) == [0, 2, 4]
     assert {2, 4} <= set(scalar_series(accs, "train/loss"))
+
+
+@needs_hf
+def test_hf_resume_from_checkpoint_restores_history_and_detector(tmp_path):
+    """Item 4 (issue 12): HDITrainerCallback is an ExportableState; resume_from_checkpoint brings back
+    its history, events and detector, so the resumed run equals an uninterrupted one."""
+    from hdi_monitor.integrations import HDITrainerCallback
+
+    def callback():
+        return HDITrainerCallback(
+            every_n_steps=1, projections=("key",), max_tokens=16, log_dir=str(tmp_path / "tb"), patience=3,
+            warmup_steps=0, log_images_every_n_steps=0, strict=True,
+        )
+
+    def run(out: str, cb, resume=None, max_steps=6):
+        args = training_args(tmp_path / out, max_steps=max_steps, save_strategy="steps", save_steps=3)
+        trainer = transformers.Trainer(model=tiny_bert(), args=args, train_dataset=MaskedDataset(), callbacks=[cb])
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    whole = callback()
+    with pytest.warns(UserWarning):
+        run("whole", whole)
+    assert [h["step"] for h in whole.history] == [0, 1, 2, 3, 4, 5, 6]
+    assert any(e.kind == "saturation" for e in whole.tracker.events)  # lr = 0: flat, fires at step 3
+
+    with pytest.warns(UserWarning):
+        run("split", callback(), max_steps=6)
+    checkpoint = tmp_path / "split" / "out" / "checkpoint-3"
+    assert (checkpoint / "trainer_state.json").is_file()
+    resumed = callback()
+    run("split", resumed, resume=str(checkpoint))
+    assert resumed.history == whole.history
+    assert [e.to_dict() for e in resumed.tracker.events] == [e.to_dict() for e in whole.tracker.events]
+    assert resumed.tracker.detector.state_dict() == whole.tracker.detector.state_dict()
+
+    fresh = callback()  # a new Trainer without a checkpoint starts afresh
+    run("fresh", fresh, max_steps=2)
+    assert [h["step"] for h in fresh.history] == [0, 1, 2]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -358,3 +359,91 @@ def test_progress_bar_on_stderr_for_many_layers(capsys, tmp_path):
     assert code == 0 and err == ""  # 3 layers: no bar
     rows = [line.split()[0] for line in out.splitlines() if line.startswith("layers.")]
     assert rows == ["layers.10.self_attn", "layers.11.self_attn", "layers.12.self_attn"]
+
+
+# ------------------------------------------------------------------------------ output and file errors
+
+
+def _one_error_line(code: int, out: str, err: str) -> str:
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hdi-monitor report: error: "), err
+    assert "Traceback" not in err and "internal error" not in err
+    return lines[0]
+
+
+def test_truncated_and_empty_files_say_so(capsys, tmp_path, lightning_ckpt, tiny_bert):
+    """Item 7 (issue 12): truncated and empty model files are named for what they are."""
+    ckpt, _ = lightning_ckpt
+    data = ckpt.read_bytes()
+    (tmp_path / "cut.ckpt").write_bytes(data[: len(data) // 2])
+    (tmp_path / "empty.ckpt").write_bytes(b"")
+    pt = (tiny_bert[0] / "mlm.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(pt[: len(pt) // 3])
+    (tmp_path / "empty.pt").write_bytes(b"")
+    buf = __import__("io").BytesIO()
+    __import__("pickle").dump({"w": list(range(1000))}, buf, protocol=2)
+    (tmp_path / "cut_pickle.pt").write_bytes(buf.getvalue()[:100])
+    module = ["--module", "hdi_monitor.demo.CharLM"]
+    cases = {
+        "cut.ckpt": ([*module], "is truncated: it starts as a torch.save archive but its end is missing"),
+        "empty.ckpt": ([*module], "is empty (0 bytes)"),
+        "cut.pt": (["--config", str(tiny_bert[0] / "cfg")], "is truncated"),
+        "empty.pt": ([], "is empty (0 bytes)"),
+        "cut_pickle.pt": (["--allow-pickle"], "is truncated: its data ends early"),
+    }
+    for name, (extra, message) in cases.items():
+        line = _one_error_line(*run_cli(capsys, str(tmp_path / name), *extra))
+        assert str(tmp_path / name) in line and message in line, (name, line)
+
+
+def test_out_under_a_file_exits_2_naming_the_path(capsys, tmp_path, lightning_ckpt):
+    """Item 7: --out below a file (a file where a folder is expected)."""
+    (tmp_path / "notes.txt").write_text("x")
+    out = tmp_path / "notes.txt" / "report"
+    line = _one_error_line(*run_cli(capsys, lightning_ckpt[0], "--module", "hdi_monitor.demo.CharLM", "--out", out))
+    assert str(out) in line and "Not a directory" in line and "a file stands where a folder is expected" in line
+
+
+def test_folder_where_a_file_is_expected_in_out(capsys, tmp_path, lightning_ckpt):
+    """Item 7: --out holding a folder named index.html."""
+    (tmp_path / "r" / "index.html").mkdir(parents=True)
+    line = _one_error_line(
+        *run_cli(capsys, lightning_ckpt[0], "--module", "hdi_monitor.demo.CharLM", "--out", tmp_path / "r")
+    )
+    assert str(tmp_path / "r" / "index.html") in line and "Is a directory" in line
+
+
+def test_full_disk_while_writing_figures(capsys, tmp_path, lightning_ckpt, monkeypatch):
+    """Item 7: a full disk under --out (simulated: the report writer raises ENOSPC)."""
+    import errno
+
+    import hdi_monitor.report_html as report_html
+
+    target = tmp_path / "r" / "hdi_by_layer.png"
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
+
+    monkeypatch.setattr(report_html, "write_report", full)
+    line = _one_error_line(
+        *run_cli(capsys, lightning_ckpt[0], "--module", "hdi_monitor.demo.CharLM", "--out", tmp_path / "r")
+    )
+    assert str(target) in line and "No space left on device" in line
+
+
+def test_json_to_a_full_disk_exits_2(tmp_path, lightning_ckpt):
+    """Item 7: --json into /dev/full (a real full device): exit 2, one line, no noise at exit."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-m", "hdi_monitor.cli", "report", str(lightning_ckpt[0]), "--module",
+             "hdi_monitor.demo.CharLM", "--json", "--no-progress"],
+            stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
+        )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [
+        "hdi-monitor report: error: cannot write the report to standard output (/dev/full): No space left on device"
+    ], proc.stderr

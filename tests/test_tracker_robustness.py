@@ -116,3 +116,207 @@ def test_late_state_restore_is_applied(tmp_path):
     second.load_state_dict(state)  # after on_fit_start: goes straight into the tracker
     assert [h["step"] for h in second.history] == [0, 2, 4]
     assert second.tracker.should_measure(4) is False and second.tracker.should_measure(6) is True
+
+
+# ------------------------------------------------------------------ issue 12: never misleads
+
+
+def _monitoring_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, tracker_mod.MonitoringWarning)]
+
+
+def _hdi_scalars(report, projections=("query", "key", "value", "output")) -> dict[str, float]:
+    return {
+        f"hdi/{p}/{layer.name}": layer.hdi[p] for layer in report.layers for p in projections if layer.hdi.get(p) is not None
+    }
+
+
+def test_replaced_mha_is_picked_up_with_one_warning_and_measured_correctly(monkeypatch):
+    """Item 2: a replaced nn.MultiheadAttention (new head count) gives one MonitoringWarning naming the
+    layer and what changed; from then on the new module is measured (= head_diversity of the changed
+    model, weights and head outputs). Steps where nothing changed do not search the model again."""
+    searches = []
+    real_find = tracker_mod.find_attention_layers
+    monkeypatch.setattr(tracker_mod, "find_attention_layers", lambda *a, **k: searches.append(1) or real_find(*a, **k))
+    model = encoder()
+    x = torch.randn(3, 7, 16)
+    tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=0, strict=True)
+    for _ in range(3):
+        with tracker.capture(x):
+            model(x)
+        tracker.step()
+    assert len(searches) == 1  # found once; unchanged steps only compare module identity and shapes
+    torch.manual_seed(5)
+    model.layers[0].self_attn = nn.MultiheadAttention(16, 2, batch_first=True)
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with tracker.capture(x):
+                model(x)
+            tracker.step()
+        notes = _monitoring_warnings(caught)
+        if _ == 0:
+            assert len(notes) == 1, notes
+            assert "layers.0.self_attn: module replaced, 4 heads of width 4 -> 2 heads of width 8" in notes[0]
+        else:
+            assert notes == []  # nothing changed since: no warning, no rediscovery message
+    ref = head_diversity(model, projections=("query", "key", "value", "output"), inputs=x)
+    last = tracker.history[-1]
+    for tag, value in _hdi_scalars(ref).items():
+        assert last[tag] == pytest.approx(value, abs=1e-6), tag
+    assert ref.layers[0].num_heads == 2
+    assert last["effective_heads/layers.0.self_attn"] == pytest.approx(ref.layers[0].effective_heads, rel=1e-6)
+    assert tracker.layers[0].module is model.layers[0].self_attn
+    assert len(searches) == 2  # one more search, at the step of the change only
+
+
+def test_pruned_bert_heads_are_picked_up_and_measured_correctly():
+    """Item 2: heads pruned with transformers' prune_linear_layer (same module, new parameter
+    shapes) are noticed and the layer is measured with its remaining heads."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.pytorch_utils import prune_linear_layer
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=16,
+    )
+    model = transformers.BertModel(config).eval()
+    tracker = HDITracker(model, every_n_steps=1, activations=False, log_images_every_n_steps=0, strict=True)
+    tracker.measure(step=0)
+    att = model.encoder.layer[0].attention
+    d = att.self.attention_head_size
+    keep = torch.ones(4, d, dtype=torch.bool)
+    keep[1] = False  # prune head 1, as the removed BertAttention.prune_heads did
+    index = torch.arange(4 * d)[keep.flatten()]
+    for name in ("query", "key", "value"):
+        setattr(att.self, name, prune_linear_layer(getattr(att.self, name), index))
+    att.output.dense = prune_linear_layer(att.output.dense, index, dim=1)
+    att.self.num_attention_heads = 3
+    att.self.all_head_size = 3 * d
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracker.measure(step=1)
+    notes = _monitoring_warnings(caught)
+    assert len(notes) == 1 and "encoder.layer.0.attention: parameters changed, 4 heads of width 8 -> 3 heads" in notes[0]
+    ref = head_diversity(model, projections=("query", "key", "value", "output"))
+    assert ref.layers[0].num_heads == 3
+    last = tracker.history[-1]
+    for tag, value in _hdi_scalars(ref).items():
+        assert last[tag] == pytest.approx(value, abs=1e-6), tag
+    # independent check of layer 0's key HDI over the 3 remaining heads (spectral overlap by hand)
+    w = att.self.key.weight.detach().double().reshape(3, d, 32).transpose(1, 2)  # (h, D, d)
+    gram = torch.einsum("iak,jal->ijkl", w, w)
+    cross = gram.pow(2).sum((-1, -2))
+    rho = cross / torch.outer(cross.diagonal().sqrt(), cross.diagonal().sqrt())
+    hdi = 1 - (rho.sum() - rho.diagonal().sum()) / 6
+    assert last["hdi/key/encoder.layer.0.attention"] == pytest.approx(float(hdi), abs=1e-6)
+
+
+class _BrokenSink:
+    """A sink whose every scalar write fails (a full disk)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def log_scalars(self, scalars, step):
+        self.calls += 1
+        raise OSError(28, "No space left on device")
+
+    def log_images(self, images, step): ...
+    def log_histograms(self, values, step): ...
+    def log_text(self, tag, text, step): ...
+    def log_layout(self, layout): ...
+    def flush(self): ...
+
+
+def _flat_run(sinks, steps=6):
+    """lr = 0 (weights never change): saturation fires once the window is full."""
+    from hdi_monitor.saturation import DiversityWarning, SaturationDetector
+
+    model = encoder()
+    tracker = HDITracker(
+        model, every_n_steps=1, projections=("key",), activations=False, log_images_every_n_steps=0,
+        sinks=sinks, detector=SaturationDetector(patience=2, warmup_steps=0),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            tracker.step()
+    diversity = [str(w.message) for w in caught if issubclass(w.category, DiversityWarning)]
+    return tracker, diversity, _monitoring_warnings(caught)
+
+
+def test_a_failing_sink_costs_only_its_own_write():
+    """Item 3: a sink that raises on every step costs one warning and its own writes; history,
+    events, the detector's warnings and the other sinks are those of a run without it."""
+    from hdi_monitor.sinks import MemorySink
+
+    good_ref = MemorySink()
+    ref, ref_warnings, ref_notes = _flat_run([good_ref])
+    broken, good = _BrokenSink(), MemorySink()
+    run, run_warnings, notes = _flat_run([broken, good])
+    assert broken.calls == 6  # tried at every step (a transient failure would recover)
+    assert len(notes) == 1 and "_BrokenSink failed at step 0 (OSError" in notes[0] and ref_notes == []
+    assert run.history == ref.history and len(run.history) == 6
+    assert [e.to_dict() for e in run.events] == [e.to_dict() for e in ref.events] and run.events
+    assert run_warnings == ref_warnings and run_warnings
+    assert good.scalars == good_ref.scalars and good.texts == good_ref.texts and good.texts
+
+
+def _nan_key_head(model: nn.Module, layer: int, head: int) -> None:
+    attn = model.layers[layer].self_attn
+    d, dim = attn.head_dim, attn.embed_dim
+    with torch.no_grad():
+        attn.in_proj_weight[dim + head * d : dim + (head + 1) * d] = float("nan")
+
+
+def test_nan_heads_are_loud_and_the_hdi_is_over_valid_heads():
+    """Item 5: one MonitoringWarning when a layer first has a non-finite head (layer, projection,
+    heads); an invalid_heads scalar on every measured step; HDI over the valid heads only."""
+    model = encoder()
+    tracker = HDITracker(model, every_n_steps=1, activations=False, log_images_every_n_steps=0, strict=True)
+    tracker.measure(step=0)
+    assert tracker.history[-1]["invalid_heads/key/layers.0.self_attn"] == 0.0
+    _nan_key_head(model, layer=0, head=1)
+    caught_per_step = []
+    for step in (1, 2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tracker.measure(step=step)
+        caught_per_step.append(_monitoring_warnings(caught))
+    assert len(caught_per_step[0]) == 1 and caught_per_step[1] == []
+    note = caught_per_step[0][0]
+    assert "layers.0.self_attn (key): head(s) [1] are dead (all zero) or non-finite" in note
+    assert "3 valid head(s) of 4" in note
+    for h in tracker.history[1:]:
+        assert h["invalid_heads/key/layers.0.self_attn"] == 1.0
+        assert h["invalid_heads/query/layers.0.self_attn"] == 0.0
+        assert h["invalid_heads/key/layers.1.self_attn"] == 0.0
+    # reference: the key HDI of the 3 finite heads, spectral overlap computed by hand
+    attn = model.layers[0].self_attn
+    w = attn.in_proj_weight.detach().double()[16:32].reshape(4, 4, 16).transpose(1, 2)[[0, 2, 3]]
+    cross = torch.einsum("iak,jal->ijkl", w, w).pow(2).sum((-1, -2))
+    rho = cross / torch.outer(cross.diagonal().sqrt(), cross.diagonal().sqrt())
+    expected = 1 - (rho.sum() - rho.diagonal().sum()) / 6
+    assert tracker.history[-1]["hdi/key/layers.0.self_attn"] == pytest.approx(float(expected), abs=1e-6)
+
+
+def test_all_heads_nan_still_logs_what_is_wrong():
+    """Item 5: with every head of every layer NaN a measurement logs the invalid-head counts, not only `step`."""
+    model = encoder()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    tracker = HDITracker(model, every_n_steps=1, activations=False, log_images_every_n_steps=0, strict=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracker.measure(step=0)
+    last = tracker.history[-1]
+    assert set(last) - {"step"}
+    for p in ("query", "key", "value", "output"):
+        for layer in ("layers.0.self_attn", "layers.1.self_attn"):
+            assert last[f"invalid_heads/{p}/{layer}"] == 4.0
+            assert f"hdi/{p}/{layer}" not in last
+    notes = _monitoring_warnings(caught)
+    assert len(notes) == 1 and notes[0].count("are dead (all zero) or non-finite") == 8

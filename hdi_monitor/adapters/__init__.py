@@ -1,36 +1,47 @@
-"""Attention discovery: family adapters, the user :class:`AttentionSpec`, :func:`find_attention_layers`.
+"""Attention discovery: the family table, the user :class:`AttentionSpec`, :func:`discover_attention`.
 
-Built-in families, tried in this order (the first adapter that matches a module wins and its
-descendants are not searched): ``torch_mha``, ``timm_vit``, ``vit``, ``bert``, ``gpt2``, ``t5``,
-``llama``. Hugging Face and timm modules are recognised by class/attribute structure, so neither
-``transformers`` nor ``timm`` is imported. Add a family with :func:`register_adapter`.
+Built-in families, tried in this order (the first that matches a module wins and its descendants
+are not searched): ``torch_mha`` and ``mla`` (code), then the declarative layout table
+(:data:`hdi_monitor.adapters.layouts.LAYOUTS`: ``timm_vit``, ``vit``, ``bert``, ``deberta``,
+``gpt2``, ``gpt_bigcode``, ``falcon``, ``gpt_neox``, ``bloom``, ``phi3``, ``vision_qkv``, ``blip``,
+``modernbert``, ``persimmon``, ``litgpt``, ``t5``, ``llama``, ``bart``, ``phi``, ``conformer``,
+``ctrl``, ``bert_attention``, ``distilbert``, ``albert``, ``x_transformers``, ``wqkvo``). Modules
+are recognised by class and attribute structure, so neither ``transformers`` nor ``timm`` is
+imported. User specs are tried before all of them; add a family with :func:`register_adapter`.
 """
 
-from hdi_monitor.adapters import bert, gpt2, llama, t5, timm_vit, torch_mha, vit
+from hdi_monitor.adapters import mla, torch_mha
 from hdi_monitor.adapters.base import (
     PROJECTIONS,
     Adapter,
     AdapterMismatch,
     AttentionLayer,
-    AttentionSpec,
     HookHandle,
+    SkippedModule,
     register_adapter,
     registered_adapters,
 )
-from hdi_monitor.adapters.discovery import find_attention_layers
+from hdi_monitor.adapters.discovery import Discovery, discover_attention, find_attention_layers
+from hdi_monitor.adapters.layouts import LAYOUTS, Layout, layout_adapters
+from hdi_monitor.adapters.spec import AttentionSpec
 from hdi_monitor.adapters.torch_mha import mha_head_outputs
 
-for _module in (torch_mha, timm_vit, vit, bert, gpt2, t5, llama):
-    register_adapter(_module.ADAPTER, first=False)
-del _module
+for _adapter in (torch_mha.ADAPTER, mla.ADAPTER, *layout_adapters(LAYOUTS)):
+    register_adapter(_adapter, first=False)
+del _adapter
 
 __all__ = [
+    "LAYOUTS",
     "PROJECTIONS",
     "Adapter",
     "AdapterMismatch",
     "AttentionLayer",
     "AttentionSpec",
+    "Discovery",
     "HookHandle",
+    "Layout",
+    "SkippedModule",
+    "discover_attention",
     "find_attention_layers",
     "mha_head_outputs",
     "register_adapter",

@@ -13,16 +13,16 @@ Conventions (see the README, "Attention discovery"):
 * ``head_weights("output")`` gives ``W_O,h`` in ``R^{D x d}`` with ``c_h = W_O,h o_h`` the head's
   contribution to the layer output (columns ``[h*d:(h+1)*d]`` of the out-projection weight).
 * Key and value have ``num_kv_heads`` heads (fewer than ``num_heads`` under grouped-query attention);
-  query head ``h`` uses key/value head ``h // (num_heads // num_kv_heads)``.
+  query head ``h`` uses key/value head ``layer.kv_head(h)``, ``h // (num_heads // num_kv_heads)``
+  except for x-transformers (``h % num_kv_heads``).
 """
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 from einops import rearrange
 from torch import Tensor, nn
@@ -33,7 +33,7 @@ __all__ = [
     "Adapter",
     "AdapterMismatch",
     "AttentionLayer",
-    "AttentionSpec",
+    "SkippedModule",
     "HookHandle",
     "OutputHook",
     "WeightSource",
@@ -77,6 +77,25 @@ WeightSource = Callable[[], Tensor]
 
 For query/key/value: ``(heads * d, D_in)``; for output: ``(D, num_heads * d)``.
 """
+
+
+@dataclass(frozen=True)
+class SkippedModule:
+    """An attention-like module that discovery found but does not measure.
+
+    Attributes:
+        name: qualified module name.
+        class_name: the module's class name.
+        reason: why it is not measured (and, where one exists, how to measure it).
+    """
+
+    name: str
+    class_name: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        """``{"name", "class_name", "reason"}``."""
+        return {"name": self.name, "class_name": self.class_name, "reason": self.reason}
 
 
 class AdapterMismatch(ValueError):
@@ -170,6 +189,12 @@ class AttentionLayer:
         model_dim: model width ``D`` (the out-projection's output size).
         mask_key: batch-dict key holding the ``(B, T)`` token mask of this layer's query tokens, or
             None where there is none (vision models, plain torch modules).
+        kv_map: how query heads share key/value heads (see :meth:`kv_head`).
+        projection_dims: per-projection head width (``head_dim`` for all but Multi-head Latent
+            Attention, whose query/key heads are wider or narrower than its value heads).
+        notes: what the report should say about this layer (e.g. parts left out of the HDI).
+        output_module: the module whose input is the concatenated head output (hooked for
+            activation statistics).
 
     Family adapters build layers from :data:`WeightSource` callables (one per projection) and the
     module whose input is the concatenated head output; subclasses may override
@@ -189,6 +214,9 @@ class AttentionLayer:
         weights: Mapping[str, WeightSource],
         output_module: nn.Module | None = None,
         mask_key: str | None = None,
+        kv_map: Literal["block", "modulo"] = "block",
+        projection_dims: Mapping[str, int] | None = None,
+        notes: tuple[str, ...] = (),
     ) -> None:
         missing = [p for p in PROJECTIONS if p not in weights]
         if missing:
@@ -200,6 +228,12 @@ class AttentionLayer:
             raise ValueError(
                 f"{name}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
+        if kv_map not in ("block", "modulo"):
+            raise ValueError(f"{name}: kv_map must be 'block' or 'modulo', got {kv_map!r}")
+        self.kv_map = kv_map
+        self.projection_dims = {p: head_dim for p in PROJECTIONS}
+        self.projection_dims.update(projection_dims or {})
+        self.notes = tuple(notes)
         self.name = name
         self.module = module
         self.family = family
@@ -218,6 +252,22 @@ class AttentionLayer:
             f"head_dim={self.head_dim}, model_dim={self.model_dim})"
         )
 
+    @property
+    def output_module(self) -> nn.Module | None:
+        """The module whose input is the concatenated head output (the out-projection), or None
+        where there is none to hook (``nn.MultiheadAttention`` calls its ``out_proj`` weight directly)."""
+        return self._output_module
+
+    def kv_head(self, head: int) -> int:
+        """The key/value head that query head ``head`` attends with: ``head // (H / H_kv)``
+        (``kv_map="block"``, the usual grouped-query layout) or ``head % H_kv`` (``"modulo"``,
+        x-transformers)."""
+        if not 0 <= head < self.num_heads:
+            raise ValueError(f"{self.name}: head must be in [0, {self.num_heads}), got {head}")
+        if self.kv_map == "modulo":
+            return head % self.num_kv_heads
+        return head // (self.num_heads // self.num_kv_heads)
+
     def heads_for(self, projection: str) -> int:
         """Number of heads of ``projection``: ``num_kv_heads`` for key/value, else ``num_heads``."""
         check_projection(projection)
@@ -232,11 +282,12 @@ class AttentionLayer:
         contribution to the layer output.
         """
         heads = self.heads_for(projection)
+        d = self.projection_dims[projection]
         w = full_weight(self._weights[projection]())
         if projection == "output":
-            _check_divides(self.name, projection, w.shape[1], heads, self.head_dim, "input features")
+            _check_divides(self.name, projection, w.shape[1], heads, d, "input features")
             return split_in_features(w, heads)
-        _check_divides(self.name, projection, w.shape[0], heads, self.head_dim, "output features")
+        _check_divides(self.name, projection, w.shape[0], heads, d, "output features")
         return split_out_features(w, heads)
 
     def attach_output_hook(self, fn: OutputHook, on_error: ErrorHandler | None = None) -> HookHandle:
@@ -270,178 +321,6 @@ def _parameters_not_ready(module: nn.Module) -> list[str]:
         if is_lazy(p) or p.is_meta:
             out.append(pname)
     return out
-
-
-# --------------------------------------------------------------------------------------------- spec
-
-
-def _resolve(module: nn.Module, path: str) -> Any:
-    obj: Any = module
-    for part in path.split("."):
-        if not hasattr(obj, part):
-            raise AttributeError(part)
-        obj = getattr(obj, part)
-    return obj
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """Describe the attention modules of a model that no built-in adapter knows.
-
-    Example (a block with ``wq, wk, wv, wo`` ``nn.Linear`` layers)::
-
-        spec = AttentionSpec(
-            modules=r"blocks\\.\\d+\\.attn",      # regex, full match on the qualified module name
-            query="wq", key="wk", value="wv", output="wo",
-            num_heads=8, num_kv_heads=2,         # num_kv_heads defaults to num_heads
-        )
-        report = head_diversity(model, spec=spec)
-
-    Args:
-        modules: which modules are attention layers: a regex matched against the *whole* qualified
-            name (``re.fullmatch``), or a predicate ``(name, module) -> bool``. Descendants of a
-            matched module are not searched.
-        query, key, value, output: each a dotted attribute path relative to the attention module,
-            naming a module with a ``.weight`` (e.g. ``"wq"``) or a tensor (``"wq.weight"``), or a
-            callable ``module -> Tensor``. Weights are in ``nn.Linear`` layout: ``(heads * d, D_in)``
-            for query/key/value and ``(D, num_heads * d)`` for output. For a packed projection use
-            a callable, e.g. ``key=lambda m: m.qkv.weight[512:1024]``.
-        num_heads: query heads.
-        num_kv_heads: key/value heads; defaults to ``num_heads``.
-        head_dim: per-head width; default: the query weight's rows / ``num_heads``.
-        output_module: dotted path of the submodule whose input is the concatenated head output
-            (for activation statistics). Default: ``output`` when that names a module.
-        mask_key: batch-dict key of the ``(B, T)`` token mask for this layer's query tokens.
-        family: family label written into the report.
-    """
-
-    modules: str | Callable[[str, nn.Module], bool]
-    query: str | Callable[[nn.Module], Tensor]
-    key: str | Callable[[nn.Module], Tensor]
-    value: str | Callable[[nn.Module], Tensor]
-    output: str | Callable[[nn.Module], Tensor]
-    num_heads: int
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    output_module: str | None = None
-    mask_key: str | None = None
-    family: str = "spec"
-    _pattern: re.Pattern | None = field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.modules, str):
-            try:
-                object.__setattr__(self, "_pattern", re.compile(self.modules))
-            except re.error as exc:
-                raise ValueError(f"AttentionSpec.modules is not a valid regex: {self.modules!r} ({exc})") from exc
-        elif not callable(self.modules):
-            raise TypeError(
-                "AttentionSpec.modules must be a regex string or a predicate (name, module) -> bool, "
-                f"got {type(self.modules).__name__}"
-            )
-        for proj in PROJECTIONS:
-            ref = getattr(self, proj)
-            if not (isinstance(ref, str) or callable(ref)):
-                raise TypeError(
-                    f"AttentionSpec.{proj} must be an attribute path (str) or a callable module -> Tensor, "
-                    f"got {type(ref).__name__}"
-                )
-        for label in ("num_heads", "num_kv_heads", "head_dim"):
-            value = getattr(self, label)
-            if value is None and label != "num_heads":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"AttentionSpec.{label} must be a positive integer, got {value!r}")
-        kv = self.num_kv_heads or self.num_heads
-        if self.num_heads % kv:
-            raise ValueError(
-                f"AttentionSpec: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({kv})"
-            )
-
-    def matches(self, name: str, module: nn.Module) -> bool:
-        """Whether the module called ``name`` is an attention layer under this spec."""
-        if self._pattern is not None:
-            return self._pattern.fullmatch(name) is not None
-        return bool(self.modules(name, module))  # type: ignore[operator]
-
-    def _source(self, name: str, module: nn.Module, projection: str) -> WeightSource:
-        ref = getattr(self, projection)
-        if callable(ref) and not isinstance(ref, str):
-            return lambda: _as_tensor(ref(module), name, projection)
-        try:
-            obj = _resolve(module, ref)
-        except AttributeError as exc:
-            raise ValueError(
-                f"{name}: AttentionSpec.{projection}={ref!r} does not resolve: {type(module).__name__} has no "
-                f"attribute {exc.args[0]!r}"
-            ) from None
-        if isinstance(obj, nn.Module):
-            return lambda: _as_tensor(_resolve(module, ref).weight, name, projection)
-        return lambda: _as_tensor(_resolve(module, ref), name, projection)
-
-    def build(self, name: str, module: nn.Module) -> AttentionLayer:
-        """Build the :class:`AttentionLayer` for one matched module, validating all shapes."""
-        sources = {p: self._source(name, module, p) for p in PROJECTIONS}
-        shapes = {p: tuple(sources[p]().shape) for p in PROJECTIONS}  # DTensor shapes are global
-        for p, shape in shapes.items():
-            if len(shape) != 2:
-                raise ValueError(f"{name}: {p} weight must be 2-D (nn.Linear layout), got shape {shape}")
-        heads = self.num_heads
-        kv = self.num_kv_heads or heads
-        q_rows = shapes["query"][0]
-        head_dim = self.head_dim
-        if head_dim is None:
-            if q_rows % heads:
-                raise ValueError(
-                    f"{name}: query weight has {q_rows} output features, which does not divide into "
-                    f"num_heads={heads} heads; check num_heads or pass head_dim"
-                )
-            head_dim = q_rows // heads
-        checks = (
-            ("query", shapes["query"][0], heads, "output features (rows)"),
-            ("key", shapes["key"][0], kv, "output features (rows)"),
-            ("value", shapes["value"][0], kv, "output features (rows)"),
-            ("output", shapes["output"][1], heads, "input features (columns)"),
-        )
-        for proj, size, n, what in checks:
-            if size != n * head_dim:
-                raise ValueError(
-                    f"{name}: {proj} weight has {size} {what}, which does not split into {n} heads of "
-                    f"head_dim {head_dim} (= {n * head_dim}); weights must be in nn.Linear (out, in) layout"
-                )
-        out_path = self.output_module
-        if out_path is None and isinstance(self.output, str):
-            target = _resolve(module, self.output)
-            out_mod = target if isinstance(target, nn.Module) else None
-        elif out_path is not None:
-            try:
-                out_mod = _resolve(module, out_path)
-            except AttributeError as exc:
-                raise ValueError(
-                    f"{name}: AttentionSpec.output_module={out_path!r} does not resolve: no attribute {exc.args[0]!r}"
-                ) from None
-            if not isinstance(out_mod, nn.Module):
-                raise ValueError(f"{name}: AttentionSpec.output_module={out_path!r} is not an nn.Module")
-        else:
-            out_mod = None
-        return AttentionLayer(
-            name,
-            module,
-            family=self.family,
-            num_heads=heads,
-            num_kv_heads=kv,
-            head_dim=head_dim,
-            model_dim=shapes["output"][0],
-            weights=sources,
-            output_module=out_mod,
-            mask_key=self.mask_key,
-        )
-
-
-def _as_tensor(obj: Any, name: str, projection: str) -> Tensor:
-    if not isinstance(obj, Tensor):
-        raise TypeError(f"{name}: AttentionSpec.{projection} gave {type(obj).__name__}, expected a Tensor")
-    return obj
 
 
 # ------------------------------------------------------------------------------------------ registry

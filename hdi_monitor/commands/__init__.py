@@ -17,4 +17,5 @@ SUBCOMMANDS: dict[str, str] = {
     "demo": "hdi_monitor.commands.demo",
     "report": "hdi_monitor.commands.report",
     "allocate": "hdi_monitor.commands.allocate",
+    "prune": "hdi_monitor.commands.prune",
 }

@@ -51,24 +51,53 @@ def _assignment(text: str) -> tuple[str, float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--budget", type=_positive_int, required=True, metavar="D",
-                        help="total attention width D = H * d_k to split")
-    parser.add_argument("--train-size", type=_positive_float, required=True, metavar="N",
-                        help="training-set size N (same units as the sweep; 1e6 notation accepted)")
-    parser.add_argument("--sweep", metavar="CSV",
-                        help="fit the law to this sweep first: columns H, d_k, N, loss [, correlation]")
-    parser.add_argument("--current-heads", type=_positive_int, metavar="H",
-                        help="the head count in use now; marked in the table")
-    parser.add_argument("--min-head-dim", type=_positive_int, default=8, metavar="D_MIN",
-                        help="smallest head width to consider (default 8)")
-    parser.add_argument("--max-head-dim", type=_positive_int, default=256, metavar="D_MAX",
-                        help="largest head width to consider (default 256)")
-    parser.add_argument("--correlation", type=float, metavar="RHO",
-                        help="measured mean head correlation in [0, 1], used instead of the law's rho")
-    parser.add_argument("--fix", type=_assignment, action="append", default=[], metavar="NAME=VALUE",
-                        help="hold a law parameter fixed while fitting (repeatable), e.g. --fix sigma2=0.01")
-    parser.add_argument("--out", metavar="PATH",
-                        help="write a plot here (.png/.svg/.pdf; a directory gets allocation.png)")
+    parser.add_argument(
+        "--budget", type=_positive_int, required=True, metavar="D", help="total attention width D = H * d_k to split"
+    )
+    parser.add_argument(
+        "--train-size",
+        type=_positive_float,
+        required=True,
+        metavar="N",
+        help="training-set size N (same units as the sweep; 1e6 notation accepted)",
+    )
+    parser.add_argument(
+        "--sweep", metavar="CSV", help="fit the law to this sweep first: columns H, d_k, N, loss [, correlation]"
+    )
+    parser.add_argument(
+        "--current-heads", type=_positive_int, metavar="H", help="the head count in use now; marked in the table"
+    )
+    parser.add_argument(
+        "--min-head-dim",
+        type=_positive_int,
+        default=8,
+        metavar="D_MIN",
+        help="smallest head width to consider (default 8)",
+    )
+    parser.add_argument(
+        "--max-head-dim",
+        type=_positive_int,
+        default=256,
+        metavar="D_MAX",
+        help="largest head width to consider (default 256)",
+    )
+    parser.add_argument(
+        "--correlation",
+        type=float,
+        metavar="RHO",
+        help="measured mean head correlation in [0, 1], used instead of the law's rho",
+    )
+    parser.add_argument(
+        "--fix",
+        type=_assignment,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="hold a law parameter fixed while fitting (repeatable), e.g. --fix sigma2=0.01",
+    )
+    parser.add_argument(
+        "--out", metavar="PATH", help="write a plot here (.png/.svg/.pdf; a directory gets allocation.png)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             runs = load_sweep_csv(args.sweep)
             fit = fit_allocation_law(runs, fixed=dict(args.fix) if args.fix else None)
-        except ValueError as err:
+        except (ImportError, ValueError) as err:  # ImportError: scipy, the advisor extra, is missing
             raise CLIError(str(err)) from None
         law = fit.law
     try:
@@ -101,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             max_head_dim=args.max_head_dim,
             correlation=args.correlation,
         )
-    except ValueError as err:
+    except (ImportError, ValueError) as err:
         raise CLIError(str(err)) from None
 
     source = f"fitted to {args.sweep}" if fit is not None else "illustrative defaults (fit a sweep with --sweep)"

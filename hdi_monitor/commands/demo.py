@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from hdi_monitor.commands import CLIError
 
@@ -42,4 +43,9 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"TensorBoard logs written to {log_dir}")
     print(f"Open the dashboards with:  tensorboard --logdir {args.out}   (Custom Scalars tab: one chart per projection)")
+    ckpt = log_dir / "checkpoints" / "last.ckpt"
+    if ckpt.is_file():
+        print(f"Report on the trained weights:  hdi-monitor report {ckpt} --module hdi_monitor.demo.CharLM")
+    else:  # never silently promise a file that is not there
+        print(f"warning: no checkpoint at {ckpt}", file=sys.stderr)
     return 0

@@ -130,6 +130,29 @@ def _quiet_transformers() -> Iterator[Any]:
             logging.enable_progress_bar()
 
 
+def _check_complete(path: Path, what: str) -> None:
+    """CLIError for an empty file or a torch.save zip archive whose end is missing (a copy or a save
+    that was cut off), so that such files are named for what they are."""
+    import zipfile
+
+    if not path.is_file():
+        return
+    size = path.stat().st_size
+    if size == 0:
+        raise CLIError(f"{what} {str(path)!r} is empty (0 bytes): the file was not written completely, or is not the one you meant")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head == b"PK\x03\x04" and not zipfile.is_zipfile(path):
+        raise CLIError(
+            f"{what} {str(path)!r} is truncated: it starts as a torch.save archive but its end is missing "
+            f"({size} bytes); the save or the copy was cut off"
+        )
+
+
+def _truncated_pickle(err: BaseException) -> bool:
+    return isinstance(err, EOFError) or "truncated" in str(err) or "Ran out of input" in str(err)
+
+
 def _looks_like_torch_file(path: Path) -> bool:
     """A ``torch.save`` zip archive, or a legacy pickle (protocol 2+ starts with byte 0x80)."""
     import zipfile
@@ -152,6 +175,7 @@ def _torch_load(path: Path, allow_pickle: bool, what: str) -> Any:
             return load_file(str(path), device="cpu")
         except Exception as err:  # noqa: BLE001 - any failure means: not a safetensors file
             raise CLIError(f"{what} {str(path)!r} is not a readable safetensors file ({_one_line(err)})") from err
+    _check_complete(path, what)
     if not _looks_like_torch_file(path):
         raise CLIError(f"{what} {str(path)!r} is not a PyTorch model file (neither a torch.save archive nor a pickle)")
     try:
@@ -161,6 +185,8 @@ def _torch_load(path: Path, allow_pickle: bool, what: str) -> Any:
             raise CLIError(
                 f"{what} {str(path)!r} holds Python objects beyond tensors; if you trust the file, rerun with --allow-pickle"
             ) from err
+        if _truncated_pickle(err):
+            raise CLIError(f"{what} {str(path)!r} is truncated: its data ends early; the save or the copy was cut off") from err
         raise CLIError(
             f"{what} {str(path)!r} is not a PyTorch model file ({type(err).__name__}: {_one_line(err)})"
         ) from err
@@ -197,6 +223,7 @@ def _load_lightning(path: Path, spec: str, allow_pickle: bool) -> Any:
         raise CLIError(f"--module {spec}: {cls.__name__} is not a LightningModule subclass")
     if path.is_dir():
         raise CLIError(f"{str(path)!r} is a folder; --module expects a Lightning checkpoint file")
+    _check_complete(path, "checkpoint")
     try:
         return cls.load_from_checkpoint(str(path), map_location="cpu", weights_only=not allow_pickle)
     except Exception as err:  # noqa: BLE001
@@ -204,6 +231,8 @@ def _load_lightning(path: Path, spec: str, allow_pickle: bool) -> Any:
             raise CLIError(
                 f"{str(path)!r} holds Python objects beyond tensors; if you trust the file, rerun with --allow-pickle"
             ) from err
+        if _truncated_pickle(err):
+            raise CLIError(f"checkpoint {str(path)!r} is truncated: its data ends early; the save or the copy was cut off") from err
         raise CLIError(f"cannot rebuild {spec} from {str(path)!r} ({type(err).__name__}: {_one_line(err)})") from err
 
 
@@ -522,6 +551,11 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--max-tokens must be a positive integer, got {args.max_tokens}")
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise CLIError(f"--out {args.out!r} exists and is not a folder")
+    if args.out:
+        try:  # fail before the model is loaded and measured, not after
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise CLIError(f"--out {args.out!r}: cannot create the folder {_os_error(err, args.out)}") from err
     import torch
 
     try:
@@ -553,14 +587,57 @@ def run(args: argparse.Namespace) -> int:
             resolved = Path(args.path).resolve()
             name = f"{resolved.parent.name}/{resolved.name}" if resolved.is_dir() else resolved.name
             title = f"Head diversity: {name}"
-            files = write_report(report, args.out, title=title, source=str(args.path), progress=bar.update)
+            try:
+                files = write_report(report, args.out, title=title, source=str(args.path), progress=bar.update)
+            except OSError as err:
+                raise CLIError(f"--out {args.out!r}: cannot write {_os_error(err, args.out)}") from err
     finally:
         bar.close()
-    if args.json:
-        json.dump(report.to_dict(), sys.stdout, allow_nan=False)
-        sys.stdout.write("\n")
-    else:
-        print(report.format_table())
-    if files is not None:
-        print(f"wrote {len(files.all())} files; open {files.html}", file=sys.stderr if args.json else sys.stdout)
+    try:
+        if args.json:
+            json.dump(report.to_dict(), sys.stdout, allow_nan=False)
+            sys.stdout.write("\n")
+        else:
+            print(report.format_table())
+        if files is not None:
+            print(f"wrote {len(files.all())} files; open {files.html}", file=sys.stderr if args.json else sys.stdout)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as err:
+        name = _stdout_name()
+        _discard_stdout()
+        raise CLIError(f"cannot write the report to {name}: {err.strerror or err}") from err
     return 0
+
+
+def _os_error(err: OSError, default: str) -> str:
+    """``'path': reason`` of an OSError, in words (``'runs/x/index.html': No space left on device``)."""
+    where = err.filename if err.filename is not None else default
+    reason = err.strerror or str(err) or type(err).__name__
+    if isinstance(err, (NotADirectoryError, FileExistsError)) and not isinstance(err, IsADirectoryError):
+        reason += " (a file stands where a folder is expected)"
+    elif isinstance(err, IsADirectoryError):
+        reason += " (a folder stands where a file is expected)"
+    return f"{str(where)!r}: {reason}"
+
+
+def _stdout_name() -> str:
+    """What standard output is connected to (``'/dev/full'``, a file path), for error messages."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{sys.stdout.fileno()}")
+    except (OSError, ValueError, AttributeError):
+        return "standard output"
+    return f"standard output ({target})" if target.startswith("/") else "standard output"
+
+
+def _discard_stdout() -> None:
+    """Point standard output at /dev/null so that the interpreter's final flush of what could not be
+    written does not fail a second time (the BrokenPipeError recipe of the Python docs)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError, AttributeError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)

@@ -31,16 +31,26 @@ Trainer's own TensorBoard writer uses when set), else ``<output_dir>/runs/<date>
 Only the main process writes; under ``torch.distributed`` every process measures (activation
 statistics are summed across processes).
 
-**Resume.** Resuming from a checkpoint continues measuring at the resumed ``global_step``; the
-history and the early-warning detector's state start afresh (they are not saved in the Trainer's
-checkpoint).
+**Resume.** The callback is a transformers ``ExportableState`` (like ``EarlyStoppingCallback``):
+each checkpoint's ``trainer_state.json`` holds its history, events, early-warning detector and
+random-generator state, and ``trainer.train(resume_from_checkpoint=...)`` restores them, so the
+resumed run measures, warns and subsamples exactly like an uninterrupted one. The restore happens
+in ``on_train_begin`` on the callback instance you passed (its settings are kept), whether or not
+``TrainingArguments.restore_callback_states_from_checkpoint`` is set. With that flag set the
+Trainer rebuilds the callback from the JSON-ready part of its arguments: pass ``writer``,
+``spec`` and a callable ``on_saturation`` again in that case, or leave the flag off. A new
+``trainer.train()`` without a checkpoint starts afresh.
+
+**Checks.** Every argument is checked in ``__init__``; a model without a recognised attention
+layer, or a ``layers`` filter that matches none, raises in ``on_train_begin``, before the first
+step.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -49,10 +59,11 @@ from torch import nn
 
 from hdi_monitor.adapters import PROJECTIONS, AttentionSpec
 from hdi_monitor.saturation import DiversityEvent
-from hdi_monitor.tracker import HDITracker, Measurement, tracker_settings
+from hdi_monitor.tracker import HDITracker, Measurement, fresh_settings, tracker_settings
 
 try:
     from transformers import TrainerCallback
+    from transformers.trainer_callback import ExportableState
 except ImportError as _err:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         "HDITrainerCallback needs the transformers package, which is not installed: "
@@ -73,7 +84,15 @@ def _default_log_dir(args: Any) -> str:
     return os.path.join(str(args.output_dir), "runs", f"{stamp}_{socket.gethostname()}_hdi")
 
 
-class HDITrainerCallback(TrainerCallback):
+def _json_ready(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+class HDITrainerCallback(TrainerCallback, ExportableState):
     """Measure attention-head diversity every ``every_n_steps`` optimizer updates of a ``Trainer``.
 
     Args:
@@ -96,6 +115,8 @@ class HDITrainerCallback(TrainerCallback):
         on_saturation: ``"warn"``, ``"stop"`` (set ``control.should_training_stop`` on saturation or
             collapse) or a callable receiving each :class:`~hdi_monitor.saturation.DiversityEvent`.
         strict: raise internal errors instead of warning (for tests).
+        seed: seed of the callback's own random generator (token subsample); the global generators
+            are never used, so training is bit-identical with and without the callback.
     """
 
     def __init__(
@@ -120,7 +141,9 @@ class HDITrainerCallback(TrainerCallback):
         redundancy_threshold: float = 0.9,
         on_saturation: str | Callable[[DiversityEvent], Any] = "warn",
         strict: bool = False,
+        seed: int = 0,
     ) -> None:
+        self._args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self.settings = tracker_settings(
             every_n_steps=every_n_steps,
             projections=projections,
@@ -139,14 +162,19 @@ class HDITrainerCallback(TrainerCallback):
             redundancy_threshold=redundancy_threshold,
             on_saturation=on_saturation,
             strict=strict,
+            seed=seed,
         )
+        if not isinstance(measure_at_start, bool):
+            raise TypeError(f"measure_at_start must be True or False, got {measure_at_start!r}")
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise TypeError(f"log_dir must be a path or None, got {type(log_dir).__name__}")
         if writer is not None and not callable(getattr(writer, "add_scalar", None)):
             raise TypeError(f"writer must be a torch.utils.tensorboard.SummaryWriter, got {type(writer).__name__}")
         if writer is not None and log_dir is not None:
             raise ValueError("give writer or log_dir, not both")
         self.every_n_steps = every_n_steps
         self.activations = self.settings["activations"]
-        self.measure_at_start = bool(measure_at_start)
+        self.measure_at_start = measure_at_start
         self.writer = writer
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.on_saturation = on_saturation
@@ -155,12 +183,24 @@ class HDITrainerCallback(TrainerCallback):
         self._own_writer: Any = None
         self._root_handles: list[Any] = []
         self._measuring: int | None = None  # the step whose forward passes are being captured
+        self._restored_state: dict[str, Any] | None = None  # from a checkpoint, applied in on_train_begin
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state(self) -> dict[str, Any]:
+        """transformers ``ExportableState``: the JSON-ready constructor arguments and the tracker's
+        state (history, events, detectors, generator), saved in each checkpoint's ``trainer_state.json``."""
+        tracker_state = self.tracker.state_dict() if self.tracker is not None else self._restored_state
+        args = {k: (os.fspath(v) if isinstance(v, os.PathLike) else v) for k, v in self._args.items()}
+        args = {k: v for k, v in args.items() if _json_ready(v)}
+        return {"args": args, "attributes": {"_restored_state": tracker_state}}
 
     # ------------------------------------------------------------------ results
     @property
     def history(self) -> list[dict[str, float]]:
         """Every measured step's scalars (``{"step": k, "hdi/key/<layer>": ..., ...}``)."""
-        return self.tracker.history if self.tracker is not None else []
+        if self.tracker is not None:
+            return self.tracker.history
+        return list((self._restored_state or {}).get("history", []))
 
     @property
     def last_measurement(self) -> Measurement | None:
@@ -173,20 +213,22 @@ class HDITrainerCallback(TrainerCallback):
         if not isinstance(model, nn.Module):
             raise TypeError("HDITrainerCallback: the Trainer passed no model to on_train_begin")
         self.close()  # a second trainer.train() starts clean
+        tracker = HDITracker(model, **fresh_settings(self.settings))
+        tracker.setup()  # raises now, before the first step, if the model cannot be watched
+        restored = self._checkpoint_state(state)
+        if restored is not None:
+            tracker.load_state_dict(restored)
+        self._restored_state = None
         writer = self.writer
         if writer is None and state.is_world_process_zero:
             from torch.utils.tensorboard import SummaryWriter
 
             self._own_writer = writer = SummaryWriter(log_dir=self.log_dir or _default_log_dir(args))
-        self.tracker = HDITracker(model, writer=writer if state.is_world_process_zero else None, **self.settings)
-        try:
-            _ = self.tracker.layers  # discover now, so a model without attention layers fails here, once
-        except Exception as err:
-            if self.strict:
-                raise
-            self.tracker.disabled = True
-            warnings.warn(f"HDITrainerCallback is disabled for this run: {err}", stacklevel=2)
-            return
+        if writer is not None and state.is_world_process_zero:
+            from hdi_monitor.sinks import TensorBoardSink
+
+            tracker.sinks.append(TensorBoardSink(writer))
+        self.tracker = tracker
         if self.activations:
             self._root_handles = [
                 model.register_forward_pre_hook(self._forward_begins, with_kwargs=True),
@@ -234,6 +276,22 @@ class HDITrainerCallback(TrainerCallback):
             self._own_writer = None
 
     # ------------------------------------------------------------------ internals
+    def _checkpoint_state(self, state: Any) -> dict[str, Any] | None:
+        """The tracker state to resume from: set by the Trainer's own callback restore, or read from
+        the resumed ``trainer_state.json`` (``state.stateful_callbacks``); None for a fresh run."""
+        if self._restored_state is not None:
+            return self._restored_state
+        if not getattr(state, "global_step", 0):
+            return None  # not resuming: on_train_begin of a fresh run sees global_step 0
+        stored = (getattr(state, "stateful_callbacks", None) or {}).get(type(self).__name__)
+        entries = stored if isinstance(stored, list) else [stored] if stored else []
+        entries = [e for e in entries if isinstance(e, Mapping) and (e.get("attributes") or {}).get("_restored_state")]
+        if not entries:
+            return None
+        mine = self.state()["args"]
+        entry = next((e for e in entries if e.get("args") == mine), entries[0])
+        return dict(entry["attributes"]["_restored_state"])
+
     def _forward_begins(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._measuring is None or self.tracker is None or not module.training:
             return

@@ -1,0 +1,191 @@
+"""The HTML page of `hdi_monitor.report_html.write_report`, read back with html.parser."""
+
+from __future__ import annotations
+
+import base64
+import re
+from dataclasses import dataclass
+from html.parser import HTMLParser
+
+import pytest
+import torch
+
+from hdi_monitor import head_diversity
+from hdi_monitor.report_html import write_report
+
+EVIL = "<script>alert('x')</script>&\"q\""
+
+
+class Page(HTMLParser):
+    """Tags, attributes and text of a page, and the text of each table row and section heading."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.tags: list[tuple[str, dict[str, str | None]]] = []
+        self.text: list[str] = []
+        self.rows: list[list[str]] = []  # cells of every <tr>
+        self.h2: list[str] = []
+        self.h3: list[str] = []
+        self.figcaption: list[str] = []
+        self._cell: list[str] | None = None
+        self._heading: list[str] | None = None
+        self.feed(text)
+        self.close()
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+        elif tag in ("h2", "h3", "figcaption"):
+            self._heading = []
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self.rows[-1].append("".join(self._cell).strip())
+            self._cell = None
+        elif tag in ("h2", "h3", "figcaption") and self._heading is not None:
+            getattr(self, tag).append("".join(self._heading).strip())
+            self._heading = None
+
+    def handle_data(self, data):
+        self.text.append(data)
+        for buf in (self._cell, self._heading):
+            if buf is not None:
+                buf.append(data)
+
+    def images(self) -> list[dict[str, str | None]]:
+        return [a for t, a in self.tags if t == "img"]
+
+
+def _spectral_hdi(w: torch.Tensor, heads: int) -> float:
+    """HDI of the spectrally weighted overlap, from one projection's (H*d, D) weight, by hand."""
+    blocks = w.detach().double().reshape(heads, -1, w.shape[1])  # head h: rows h*d .. (h+1)*d - 1
+    total, pairs = 0.0, 0
+    for i in range(heads):
+        for j in range(heads):
+            if i != j:
+                cross = torch.linalg.matrix_norm(blocks[i] @ blocks[j].T) ** 2
+                norm_i = torch.linalg.matrix_norm(blocks[i] @ blocks[i].T)
+                norm_j = torch.linalg.matrix_norm(blocks[j] @ blocks[j].T)
+                total += float(cross / (norm_i * norm_j))
+                pairs += 1
+    return 1.0 - total / pairs
+
+
+def _encoder(layers: int = 2) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, dropout=0.0)
+    return torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).eval()
+
+
+def test_layer_names_and_title_are_escaped(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({EVIL: torch.nn.MultiheadAttention(16, 4, batch_first=True)})
+    report = head_diversity(model, projections=("key",))
+    assert report.layers[0].name == EVIL
+    files = write_report(report, tmp_path, title="</title><script>t()</script>", source="<em>src</em>")
+    text = files.html.read_text()
+    page = Page(text)
+    assert [t for t, _ in page.tags if t == "script"] == []  # nothing the model or the caller wrote became a tag
+    assert not any(t == "em" for t, _ in page.tags)
+    assert "<script>" not in text and "&lt;script&gt;" in text
+    body = "".join(page.text)
+    assert EVIL in body and "</title><script>t()</script>" in body and "<em>src</em>" in body  # shown as text
+    summary = next(r for r in page.rows if r and r[0] == EVIL)
+    # the HDI shown is the one computed by hand from the module's own key weight
+    d_model = 16
+    key_weight = model[EVIL].in_proj_weight[d_model : 2 * d_model]
+    assert summary[5] == f"{_spectral_hdi(key_weight, 4):.3f}"
+    # the chance column is the analytic spectral level 1 - d / (D + d + 1)
+    assert summary[6] == f"{1 - 4 / (16 + 4 + 1):.3f}"
+    assert page.h3 == [f"0 · {EVIL}"]
+    assert page.images()[1]["alt"] == f"key overlap of {EVIL}"  # attributes escaped and read back intact
+
+
+@dataclass
+class SkippedModule:
+    """The fields of hdi_monitor's SkippedModule that the page shows."""
+
+    name: str
+    class_name: str
+    reason: str
+
+
+def test_not_measured_section_lists_skipped_modules(tmp_path):
+    report = head_diversity(_encoder(), projections=("key",))
+    skipped = [
+        SkippedModule("blocks.3.attn", "FancyAttention", "unknown layout: no q/k/v projections found"),
+        SkippedModule("blocks.<4>.attn", "Weird&Co", "fused QKV of unknown order"),
+    ]
+    report.skipped = skipped  # what DiversityReport.skipped holds
+    page = Page(write_report(report, tmp_path / "a").html.read_text())
+    assert "Not measured" in page.h2
+    header = ["module", "class", "reason"]
+    i = page.rows.index(header)
+    assert page.rows[i + 1 : i + 3] == [[s.name, s.class_name, s.reason] for s in skipped]
+
+    report.skipped = []
+    page = Page(write_report(report, tmp_path / "b").html.read_text())
+    assert "Not measured" in page.h2 and header not in page.rows
+    assert "every attention-like module that was found is measured" in "".join(page.text)
+
+    report.skipped = None  # what the page reads for a report made before the field existed: it claims nothing
+    page = Page(write_report(report, tmp_path / "c").html.read_text())
+    assert "Not measured" not in page.h2
+
+
+def test_every_picture_on_the_page_is_a_written_png(tmp_path):
+    model = _encoder(3)
+    report = head_diversity(model, projections=("query", "key", "output"), inputs=torch.randn(2, 6, 16))
+    files = write_report(report, tmp_path)
+    page = Page(files.html.read_text())
+    images = page.images()
+    assert len(images) == 1 + 3 * 3 + 3  # plot, 3 overlaps and 1 correlation per layer
+    shown = []
+    for img in images:
+        src = img["src"] or ""
+        assert src.startswith("data:image/png;base64,")
+        data = base64.b64decode(src.split(",", 1)[1], validate=True)
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        shown.append(data)
+    written = [p.read_bytes() for p in files.all() if p.suffix == ".png"]
+    assert sorted(shown) == sorted(written) and len(written) == len(images)
+    # pictures appear layer by layer, in the order of the report, with their captions
+    alts = [img["alt"] for img in images[1:]]
+    expected = []
+    for lay in report.layers:
+        expected += [f"{p} overlap of {lay.name}" for p in report.projections]
+        expected.append(f"head-output correlation of {lay.name}")
+    assert alts == expected
+    assert page.h3 == [f"{i} · {lay.name}" for i, lay in enumerate(report.layers)]
+    # the caption under each picture; the query HDI computed by hand from the layer's own weight
+    captions = iter(page.figcaption)
+    for lay, module in zip(report.layers, model.layers):
+        hdi = _spectral_hdi(module.self_attn.in_proj_weight[:16], 4)
+        assert next(captions) == f"query overlapHDI {hdi:.3f}"
+        assert [next(captions) for _ in range(2)] == [f"{p} overlapHDI {lay.hdi[p]:.3f}" for p in ("key", "output")]
+        assert next(captions) == f"head-output correlationHeff {lay.effective_heads:.2f}"
+
+
+def test_page_keeps_its_legend_plot_and_scales_the_matrix_grid(tmp_path):
+    report = head_diversity(_encoder(), projections=("key",), inputs=torch.randn(2, 6, 16))
+    files = write_report(report, tmp_path)
+    text = files.html.read_text()
+    page = Page(text)
+    assert [h for h in page.h2 if h != "Not measured"] == ["Summary", "HDI by layer", "Head-pair matrices"]
+    bars = [a["style"] for t, a in page.tags if t == "span" and a.get("class") == "bar"]
+    assert len(bars) == 2 and all(s.startswith("background:linear-gradient(to right, rgb(") for s in bars)
+    assert page.images()[0]["alt"] == "HDI by layer"
+    assert "chance" in page.rows[0]
+    # the matrices sit in a CSS grid of auto-filled columns, each picture scaled to its column:
+    # no fixed-width table row that a narrow window cuts off
+    assert re.search(r"\.matrices\{display:grid;grid-template-columns:repeat\(auto-fill,", text)
+    assert re.search(r"\.matrices img\{width:100%;height:auto", text)
+    assert not any(t == "table" and a.get("class") == "grid" for t, a in page.tags)
+
+
+def test_write_report_rejects_a_non_report(tmp_path):
+    with pytest.raises(TypeError, match="DiversityReport"):
+        write_report({"layers": []}, tmp_path)

@@ -1,0 +1,266 @@
+"""Monitoring never changes the training it watches (issue 12, item 1).
+
+Each test trains the same model twice from the same seed, once without and once with the monitor,
+with dropout on and more tokens per measured step than ``max_tokens`` (so the token subsample is
+drawn), and asserts bit-identical weights, losses and global random state. The reference is the
+unmonitored run itself: any draw from the global generator, any module flag or backend flag left
+changed, shifts a dropout mask and breaks the equality.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from conftest import cuda
+from hdi_monitor import HDIMonitor, HDITracker
+
+VOCAB, WIDTH, SEQ, BATCH = 48, 32, 24, 8  # 192 tokens per batch per layer
+MAX_TOKENS = 40  # well below the tokens of one measured step
+
+
+class DropoutEncoder(nn.Module):
+    """Two encoder layers with dropout 0.1 (attention weights and residual paths)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        layer = nn.TransformerEncoderLayer(WIDTH, 4, 2 * WIDTH, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.encoder(self.embed(tokens))))
+
+
+class DropoutLM(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = DropoutEncoder()
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x).reshape(-1, VOCAB), y.reshape(-1))
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def data(n: int = 96) -> DataLoader:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    return DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=BATCH)
+
+
+def global_state() -> dict:
+    """Everything of the process that training can see and the monitor must leave alone."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return {
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": [s.tolist() for s in torch.cuda.get_rng_state_all()] if cuda else None,
+        "grad_enabled": torch.is_grad_enabled(),
+        "mha_fastpath": torch.backends.mha.get_fastpath_enabled(),
+        "autocast_cpu": torch.is_autocast_enabled("cpu"),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "cudnn": (torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic),
+    }
+
+
+def assert_same_run(a: dict, b: dict) -> None:
+    assert a["state"].keys() == b["state"].keys()
+    for key in a["state"]:
+        assert torch.equal(a["state"][key], b["state"][key]), key
+    assert len(a["losses"]) == len(b["losses"]) > 0
+    assert all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"]))
+    assert torch.equal(a["globals"].pop("torch_rng"), b["globals"].pop("torch_rng"))
+    assert a["globals"] == b["globals"]
+    assert a["training_flags"] == b["training_flags"]
+
+
+def lightning_run(tmp_path: Path, monitored: bool, accumulate: int = 1) -> dict:
+    pl.seed_everything(0, verbose=False)
+    model = DropoutLM()
+    monitor = HDIMonitor(every_n_steps=2, max_tokens=MAX_TOKENS, log_images_every_n_steps=4, strict=True)
+    trainer = pl.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        logger=pl.loggers.TensorBoardLogger(str(tmp_path), name="tb"),
+        callbacks=[monitor] if monitored else [],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=accumulate,
+        log_every_n_steps=1,
+    )
+    trainer.fit(model, data())
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "losses": model.losses,
+        "globals": global_state(),
+        "training_flags": [m.training for m in model.modules()],
+        "monitor": monitor,
+    }
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_training_is_bit_identical_with_the_monitor(tmp_path, accumulate):
+    """Item 1: Lightning Trainer, dropout on, subsampled tokens, also under gradient accumulation."""
+    without = lightning_run(tmp_path / "without", monitored=False, accumulate=accumulate)
+    with_ = lightning_run(tmp_path / "with", monitored=True, accumulate=accumulate)
+    monitor = with_["monitor"]
+    assert [h["step"] for h in monitor.history] == [0.0, 2.0, 4.0]
+    # the subsample really ran: each layer kept MAX_TOKENS per forward pass (accumulate passes per step)
+    assert monitor.tracker.last_token_counts == [MAX_TOKENS * accumulate] * 2
+    assert "effective_heads/mean" in monitor.history[-1]
+    assert_same_run(without, with_)
+
+
+def plain_run(monitored: bool, steps: int = 6, device: str = "cpu") -> dict:
+    torch.manual_seed(0)
+    model = DropoutEncoder().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tracker = HDITracker(model, every_n_steps=2, max_tokens=MAX_TOKENS, log_images_every_n_steps=2, strict=True)
+    losses = []
+    for x, y in data():
+        if len(losses) == steps:
+            break
+        x, y = x.to(device), y.to(device)
+        if monitored:
+            with tracker.capture(x):
+                logits = model(x)
+        else:
+            logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        loss.backward()
+        losses.append(loss.detach().clone())
+        if monitored:
+            tracker.step()
+        optimizer.step()
+        optimizer.zero_grad()
+    tracker.close()
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "losses": losses,
+        "globals": global_state(),
+        "training_flags": [m.training for m in model.modules()],
+        "tracker": tracker,
+    }
+
+
+def test_plain_loop_training_is_bit_identical_with_the_tracker():
+    """Item 1: the plain PyTorch loop (capture + step), dropout on, subsampled tokens."""
+    without = plain_run(monitored=False)
+    with_ = plain_run(monitored=True)
+    assert len(with_["tracker"].history) == 3
+    assert with_["tracker"].last_token_counts == [MAX_TOKENS, MAX_TOKENS]
+    assert_same_run(without, with_)
+
+
+@cuda
+def test_plain_loop_on_cuda_leaves_the_cuda_generator_alone():
+    """Item 1 on an accelerator: dropout masks come from the CUDA generator, which the subsample
+    (drawn on the tracker's CPU generator) must not touch."""
+    without = plain_run(monitored=False, device="cuda")
+    with_ = plain_run(monitored=True, device="cuda")
+    assert with_["tracker"].last_token_counts == [MAX_TOKENS, MAX_TOKENS]
+    assert with_["globals"]["cuda_rng"] is not None
+    assert_same_run(without, with_)
+
+
+def test_resumed_tracker_subsamples_the_same_tokens():
+    """Item 1: the generator state travels in state_dict, so a resumed run picks the same tokens
+    (same effective heads) as an uninterrupted one, whatever the global generator holds."""
+    torch.manual_seed(0)
+    model = DropoutEncoder().eval()  # no dropout: the subsample is the only randomness
+    batches = [x for x, _ in data()][:6]
+
+    def run(tracker: HDITracker, steps) -> None:
+        for i in steps:
+            with torch.no_grad(), tracker.capture(batches[i]):
+                model(batches[i])
+            tracker.step()
+
+    def tracker() -> HDITracker:
+        return HDITracker(model, every_n_steps=1, max_tokens=MAX_TOKENS, log_images_every_n_steps=0, strict=True)
+
+    whole = tracker()
+    run(whole, range(6))
+    first = tracker()
+    run(first, range(3))
+    saved = copy.deepcopy(first.state_dict())
+    torch.manual_seed(12345)  # a resumed process holds some other global state
+    second = tracker()
+    second.load_state_dict(saved)
+    run(second, range(3, 6))
+    assert second.history == whole.history
+    # and the subsample does depend on the generator (the check above is not vacuous)
+    other = HDITracker(model, every_n_steps=1, max_tokens=MAX_TOKENS, log_images_every_n_steps=0, seed=1)
+    run(other, range(1))
+    assert other.history[0]["effective_heads/mean"] != whole.history[0]["effective_heads/mean"]
+
+
+# ---------------------------------------------------------------------------------- Hugging Face
+
+transformers = pytest.importorskip("transformers")
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int = 32) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(5, 50, (16,), generator=g)
+        return {"input_ids": ids, "attention_mask": torch.ones(16, dtype=torch.long), "labels": ids.clone()}
+
+
+def hf_run(tmp_path: Path, monitored: bool) -> dict:
+    from hdi_monitor.integrations import HDITrainerCallback
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=16, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+    )
+    model = transformers.BertForMaskedLM(config)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2,
+        gradient_accumulation_steps=2, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
+        disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )
+    monitor = HDITrainerCallback(every_n_steps=2, max_tokens=MAX_TOKENS, log_dir=str(tmp_path / "tb"), strict=True)
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=TokenDataset(), callbacks=[monitor] if monitored else []
+    )
+    trainer.train()
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "losses": [torch.tensor(h["loss"]) for h in trainer.state.log_history if "loss" in h],
+        "globals": global_state(),
+        "training_flags": [m.training for m in model.modules()],
+        "monitor": monitor,
+    }
+
+
+def test_hf_trainer_training_is_bit_identical_with_the_callback(tmp_path):
+    """Item 1: the Hugging Face Trainer callback, dropout on, 2 micro-batches of 64 tokens per
+    update (> max_tokens each)."""
+    without = hf_run(tmp_path / "without", monitored=False)
+    with_ = hf_run(tmp_path / "with", monitored=True)
+    assert [h["step"] for h in with_["monitor"].history] == [0.0, 2.0, 4.0]
+    assert with_["monitor"].tracker.last_token_counts == [2 * MAX_TOKENS] * 2
+    assert_same_run(without, with_)

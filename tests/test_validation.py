@@ -1,0 +1,127 @@
+"""Every constructor argument is checked in __init__, and a model the monitor cannot watch fails
+before the first step (issue 12, item 6). A run that trains unmonitored because of a typo is not
+acceptable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hdi_monitor import HDIMonitor, HDITracker
+
+transformers = pytest.importorskip("transformers")
+from hdi_monitor.integrations import HDITrainerCallback
+
+BAD = [
+    ({"layers": "self_attn("}, ValueError, r"layers is not a valid regex: 'self_attn\('"),
+    ({"layers": 3}, TypeError, "layers must be a regex string or a sequence of qualified layer names"),
+    ({"layers": ["a", 2]}, TypeError, "layers must be a regex string or a sequence"),
+    ({"layers": []}, ValueError, r"layers=\[\] selects no attention layer"),
+    ({"spec": "bert"}, TypeError, "spec must be an AttentionSpec or None, got str"),
+    ({"activations": "no"}, TypeError, "activations must be True or False, got 'no'"),
+    ({"activations": 0}, TypeError, "activations must be True or False"),
+    ({"strict": "yes"}, TypeError, "strict must be True or False"),
+    ({"seed": -1}, ValueError, "seed must be an integer >= 0"),
+    ({"seed": 1.5}, ValueError, "seed must be an integer >= 0"),
+]
+CALLBACK_BAD = [
+    ({"early_warning": "off"}, TypeError, "early_warning must be True or False"),
+    # detector settings are checked even with the detector off
+    ({"early_warning": False, "patience": 0}, ValueError, "patience"),
+    ({"early_warning": False, "mode": "maximum"}, ValueError, "mode"),
+    ({"early_warning": False, "redundancy_threshold": 2.0}, ValueError, "redundancy_threshold"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, match", BAD + CALLBACK_BAD)
+@pytest.mark.parametrize("cls", [HDIMonitor, HDITrainerCallback])
+def test_callbacks_check_every_argument_in_init(cls, kwargs, error, match):
+    """Item 6: bad values fail in __init__ (the Lightning and Hugging Face callbacks share one check)."""
+    with pytest.raises(error, match=match):
+        cls(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, error, match", BAD)
+def test_tracker_checks_every_argument_in_init(kwargs, error, match):
+    """Item 6: the plain-loop tracker runs the same checks."""
+    with pytest.raises(error, match=match):
+        HDITracker(nn.MultiheadAttention(8, 2), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"sinks": [object()]}, TypeError, "every sink needs log_scalars"),
+        ({"sinks": "tb"}, TypeError, "sinks must be a sequence"),
+        ({"detector": "default"}, TypeError, "detector must be a SaturationDetector or None"),
+    ],
+)
+def test_tracker_checks_sinks_and_detectors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        HDITracker(nn.MultiheadAttention(8, 2), **kwargs)
+
+
+def test_hf_callback_checks_its_own_arguments():
+    with pytest.raises(TypeError, match="measure_at_start must be True or False"):
+        HDITrainerCallback(measure_at_start="no")
+    with pytest.raises(TypeError, match="log_dir must be a path"):
+        HDITrainerCallback(log_dir=3)
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def test_plain_loop_without_attention_raises_before_the_first_forward():
+    """Item 6: the first capture raises (nothing trained yet) and names the model's modules and the spec."""
+    model = MLP()
+    tracker = HDITracker(model, every_n_steps=1)
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    with (
+        pytest.raises(ValueError, match=r"no attention layer found in MLP(.|\n)*body, body\.0, body\.1, head(.|\n)*spec="),
+        tracker.capture(torch.randn(2, 8)),
+    ):
+        model(torch.randn(2, 8))
+    assert calls == []
+
+
+def test_hf_callback_without_attention_raises_in_on_train_begin(tmp_path):
+    """Item 6: the Hugging Face callback raises in on_train_begin, before the first update."""
+
+    class Regressor(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = MLP()
+
+        def forward(self, x, labels=None):
+            out = self.net(x)
+            return {"loss": (out - labels).pow(2).mean(), "logits": out}
+
+    data = [{"x": torch.randn(8), "labels": torch.randn(8)} for _ in range(8)]
+    model = Regressor()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
+        save_strategy="no", disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[HDITrainerCallback(every_n_steps=1)])
+    with pytest.raises(ValueError, match=r"no attention layer found in Regressor(.|\n)*net\.body"):
+        trainer.train()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_layers_filter_that_matches_nothing_raises_with_the_real_names():
+    """Item 6: a layers filter that matches no layer raises at the first step with the available names."""
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    tracker = HDITracker(model, layers=r"decoder")
+    with pytest.raises(ValueError, match=r"matches none of the 2 attention layers: \['layers\.0\.self_attn', 'layers\.1\.self_attn'\]"):
+        tracker.step()
