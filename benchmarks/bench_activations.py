@@ -3,7 +3,7 @@
 For one attention layer and ``T`` tokens (sequences of 1,024 tokens, ``T / 1024`` of them), all in one
 run and on one device:
 
-* **new**: :class:`hdi_monitor.covariance.HeadCovarianceAccumulator` (``H^2 + H D`` numbers of state:
+* **new**: `hdi_monitor.functional.covariance.HeadCovarianceAccumulator` (``H^2 + H D`` numbers of state:
   the contributions ``W_O,h o_h`` formed in bounded chunks), ``update`` over the ``T`` head outputs
   plus ``compute``;
 * **old**: a small reference copy of the first version (kept here, not in the library): a float64
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from einops import rearrange, reduce
 from torch.profiler import ProfilerActivity, profile
 
-from hdi_monitor.covariance import DEFAULT_CHUNK_BYTES, HeadCovarianceAccumulator
+from hdi_monitor.functional.covariance import DEFAULT_CHUNK_BYTES, HeadCovarianceAccumulator
 
 LAYERS = {"gpt2-small": (768, 12, 64), "4096-wide": (4096, 32, 128)}
 SEQ = 1024

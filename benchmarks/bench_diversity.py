@@ -1,4 +1,4 @@
-"""Speed of the head-diversity math (hdi_monitor.diversity) against its natural baselines.
+"""Speed of the head-diversity math (hdi_monitor.functional.diversity) against its natural baselines.
 
 All ratios come from one run on the same weights (random Gaussian heads, float32, seed 0):
 
@@ -41,7 +41,7 @@ import scipy
 import scipy.linalg
 import torch
 
-from hdi_monitor.diversity import (
+from hdi_monitor.functional.diversity import (
     _cross_sq_norms,
     head_diversity_index,
     orthonormal_basis,
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     lines = [
-        "## hdi_monitor.diversity benchmark",
+        "## hdi_monitor.functional.diversity benchmark",
         "",
         f"torch {torch.__version__}, scipy {scipy.__version__}, numpy {np.__version__}, "
         f"Python {platform.python_version()}; {platform.machine()}, {os.cpu_count()} cores, "

@@ -9,7 +9,7 @@ the library upcasts to float32 for the math):
 Goal: under 1 s for the 70B shape on one GPU (H100/H200 class).
 
 Only the attention projections are built (a ``q_proj``/``k_proj``/``v_proj``/``o_proj`` block per
-layer, found through an :class:`~hdi_monitor.AttentionSpec`); the 70B shape holds 12.1 billion
+layer, found through an `AttentionSpec`); the 70B shape holds 12.1 billion
 parameters, 24 GB in bfloat16. Two ways to compute are timed, each one ``compute_report`` call
 (what ``HDIMonitor`` runs at a measured step), synchronised, after one warm-up call:
 
@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from hdi_monitor import AttentionSpec
-from hdi_monitor.adapters import PROJECTIONS, find_attention_layers
+from hdi_monitor.models import PROJECTIONS, find_attention_layers
 from hdi_monitor.report import DiversityReport, compute_report
 
 

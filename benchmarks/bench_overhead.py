@@ -1,6 +1,6 @@
 """Training overhead of HDIMonitor: the same run with and without the callback, interleaved.
 
-Model: causal 4-layer, 256-wide, 8-head encoder (``hdi_monitor.demo.CharLM``), sequence length 64,
+Model: causal 4-layer, 256-wide, 8-head encoder (``hdi_monitor.contrib.demo.CharLM``), sequence length 64,
 batch 16, AdamW. Monitor: ``HDIMonitor(every_n_steps=50)`` with its defaults (all four projections,
 activations on, early warnings on, pictures every 500 steps), logging to TensorBoard.
 
@@ -27,7 +27,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from hdi_monitor import HDIMonitor
-from hdi_monitor.demo import CharDataModule, CharLM
+from hdi_monitor.contrib.demo import CharDataModule, CharLM
 
 warnings.filterwarnings("ignore")
 

@@ -43,7 +43,7 @@ import transformers  # noqa: E402
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES  # noqa: E402
 
-from hdi_monitor.adapters import discover_attention  # noqa: E402
+from hdi_monitor.models import discover_attention  # noqa: E402
 from kernel_capture import run_and_check, zero_biases  # noqa: E402
 
 transformers.logging.set_verbosity_error()

@@ -42,7 +42,7 @@ import scipy.stats
 import torch
 from einops import rearrange
 
-from hdi_monitor.allocation import (
+from hdi_monitor.contrib.allocation import (
     AllocationRun,
     fit_allocation_law,
     optimal_head_dim,

@@ -20,7 +20,7 @@ from torch.utils.tensorboard import SummaryWriter
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from transformers.integrations import TensorBoardCallback
 
-from hdi_monitor.demo import stdlib_text
+from hdi_monitor.contrib.demo import stdlib_text
 from hdi_monitor.integrations import HDITrainerCallback
 
 

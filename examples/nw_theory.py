@@ -17,8 +17,8 @@ with everything known:
   evenly in HDI = sin^2(phi);
 * ``R`` training sets (shared by all angles: common random numbers) and a fixed test set; the MSE of
   the ensemble against the noise-free ``f`` and its exact bias-variance-covariance split
-  (:func:`hdi_monitor.covariance.bias_variance_covariance`), plus the effective number of heads of
-  the prediction fluctuations (:func:`hdi_monitor.covariance.head_covariance`).
+  (`hdi_monitor.contrib.ensemble.bias_variance_covariance`), plus the effective number of heads of
+  the prediction fluctuations (`hdi_monitor.functional.covariance.head_covariance`).
 
 Three targets: ``shared`` (f depends only on the shared block A), ``spread`` (f is additive over all
 ``p`` coordinates with the same total variance), and ``noise`` (f = 0: only the variance matters).
@@ -37,8 +37,9 @@ from pathlib import Path
 
 import torch
 
-from hdi_monitor.covariance import bias_variance_covariance, head_covariance
-from hdi_monitor.diversity import head_diversity_index, principal_angles, subspace_overlap
+from hdi_monitor.contrib.ensemble import bias_variance_covariance
+from hdi_monitor.functional.covariance import head_covariance
+from hdi_monitor.functional.diversity import head_diversity_index, principal_angles, subspace_overlap
 
 TARGETS = ("shared", "spread", "noise")
 

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.utils.tensorboard import SummaryWriter
 
 from hdi_monitor import HDITracker
-from hdi_monitor.demo import stdlib_text
+from hdi_monitor.contrib.demo import stdlib_text
 
 
 class TinyLM(nn.Module):
@@ -66,7 +66,7 @@ def train(
     lr: float = 3e-3,
     seed: int = 0,
 ) -> HDITracker:
-    """Train :class:`TinyLM` for ``steps`` optimizer steps; returns the tracker (its ``history``)."""
+    """Train `TinyLM` for ``steps`` optimizer steps; returns the tracker (its ``history``)."""
     torch.manual_seed(seed)
     data = torch.tensor(list(stdlib_text(200_000).encode("ascii")), dtype=torch.long)
     model = TinyLM(d_model, num_heads, num_layers, seq_len)

@@ -62,10 +62,10 @@ from hdi_monitor.ablation.fidelity import (
     sweep,
     time_forward,
 )
-from hdi_monitor.adapters import find_attention_layers
-from hdi_monitor.commands.prune import format_table, plot
+from hdi_monitor.models import find_attention_layers
+from hdi_monitor.cli.prune import format_table, plot
 from hdi_monitor.report import head_diversity
-from hdi_monitor.saturation import redundant_pairs
+from hdi_monitor.monitor.detector import redundant_pairs
 
 MODULES = (
     "argparse", "asyncio", "calendar", "collections", "configparser", "csv", "datetime", "decimal", "difflib",

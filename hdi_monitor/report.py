@@ -1,8 +1,8 @@
-"""One-shot head-diversity report of a model: :func:`head_diversity`.
+"""One-shot head-diversity report of a model: `head_diversity`.
 
 ``head_diversity(model)`` finds the attention layers, reads each projection's per-head weights,
 computes the overlap matrices and HDIs batched over all layers of one shape, and returns a
-:class:`DiversityReport` (a table when printed, JSON-ready with :meth:`DiversityReport.to_dict`).
+`DiversityReport` (a table when printed, JSON-ready with `DiversityReport.to_dict`).
 With ``inputs`` it also runs the model on some batches and adds head-output covariance statistics.
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hdi_monitor.adapters import AttentionLayer, AttentionSpec, SkippedModule, discover_attention
-from hdi_monitor.adapters.base import PROJECTIONS
-from hdi_monitor.adapters.discovery import skipped_message
-from hdi_monitor.diversity import (
+from hdi_monitor.models import AttentionLayer, AttentionSpec, SkippedModule, discover_attention
+from hdi_monitor.models.base import PROJECTIONS
+from hdi_monitor.models.discovery import skipped_message
+from hdi_monitor.functional.diversity import (
     WEIGHTINGS,
     chance_hdi,
     head_diversity_index,
@@ -28,7 +28,7 @@ from hdi_monitor.diversity import (
     max_hdi,
     subspace_overlap,
 )
-from hdi_monitor.sharding import full_weights, gathers_weights, is_fsdp1_module
+from hdi_monitor.models.sharding import full_weights, gathers_weights, is_fsdp1_module
 
 __all__ = ["DiversityReport", "LayerDiversity", "compute_report", "head_diversity"]
 
@@ -96,14 +96,14 @@ class LayerDiversity:
 
 @dataclass
 class DiversityReport:
-    """Per-layer head diversity of a model (see :func:`head_diversity`).
+    """Per-layer head diversity of a model (see `head_diversity`).
 
     Attributes:
         layers: one entry per measured attention layer.
         projections: the projections measured.
         weighting: ``"spectral"`` or ``"uniform"``.
         skipped: attention-like modules that were found but not measured, with the reason (see
-            :func:`~hdi_monitor.adapters.discover_attention`).
+            `discover_attention`).
     """
 
     layers: list[LayerDiversity]
@@ -119,7 +119,7 @@ class DiversityReport:
         return float(sum(values) / len(values)) if values else None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict: weighting, projections, layers (see :meth:`LayerDiversity.to_dict`), mean_hdi,
+        """JSON-ready dict: weighting, projections, layers (see `LayerDiversity.to_dict`), mean_hdi,
         skipped (``[{"name", "class_name", "reason"}]``)."""
         return {
             "weighting": self.weighting,
@@ -225,23 +225,23 @@ def compute_report(
     """Weight-based diversity of already-found attention layers.
 
     Layers are grouped per projection by ``(heads, D_in, d, dtype, device)``; each group's head
-    weights are stacked and :func:`~hdi_monitor.diversity.subspace_overlap` and
-    :func:`~hdi_monitor.diversity.head_diversity_index` run once on the whole group, on the weights'
+    weights are stacked and `subspace_overlap` and
+    `head_diversity_index` run once on the whole group, on the weights'
     device. Results are copied to the CPU once per device at the end.
 
     Sharded layers are the exception: reading their weights is a collective (DTensor parameters
-    under FSDP2 are gathered; FSDP1 units are unsharded, see :func:`~hdi_monitor.sharding.full_weights`),
+    under FSDP2 are gathered; FSDP1 units are unsharded, see `full_weights`),
     so each such layer is gathered, reduced to its ``(H, H)`` overlaps (all projections) and freed
     before the next one, and peak memory stays at one layer (one FSDP1 unit). Every rank must call
     this with the same layers in the same order.
 
     Args:
-        layers: from :func:`~hdi_monitor.adapters.find_attention_layers`.
+        layers: from `find_attention_layers`.
         projections: which of ``"query"``, ``"key"``, ``"value"``, ``"output"`` to measure.
         weighting: ``"spectral"`` or ``"uniform"``.
         fsdp_root: for FSDP1 (``FullyShardedDataParallel``) models, the root FSDP module (in
             Lightning ``trainer.strategy.model``); ignored otherwise.
-        skipped: the modules discovery left out (:attr:`Discovery.skipped`), carried into the report.
+        skipped: the modules discovery left out (`Discovery.skipped`), carried into the report.
     """
     projections = _check_projections(projections)
     _check_weighting(weighting)
@@ -345,8 +345,8 @@ def _add_activation_stats(
     fsdp_root: nn.Module | None = None,
 ) -> None:
     """Run ``inputs`` through ``model`` with output hooks feeding one accumulator per layer."""
-    from hdi_monitor.capture import attach_output_hooks, call_model, iter_batches, eval_mode
-    from hdi_monitor.capture import output_accumulator
+    from hdi_monitor.models.hooks import attach_output_hooks, call_model, iter_batches, eval_mode
+    from hdi_monitor.models.hooks import output_accumulator
 
     accs = [
         output_accumulator(
@@ -399,7 +399,7 @@ def head_diversity(
         model: the model (any ``nn.Module`` with attention layers of a supported family, or ``spec``).
         projections: which of ``"query"``, ``"key"``, ``"value"``, ``"output"`` to measure.
         weighting: ``"spectral"`` (default) or ``"uniform"`` subspace overlap.
-        spec: one :class:`~hdi_monitor.adapters.AttentionSpec` or a list, for modules no built-in
+        spec: one `AttentionSpec` or a list, for modules no built-in
             family covers; combines with the built-in families (a spec wins where both match).
         layers: a regex (``re.search`` on qualified names) or a list of exact layer names.
         inputs: optional batches for head-output covariance statistics: one batch (a dict is called
@@ -412,7 +412,7 @@ def head_diversity(
         max_tokens: cap on the tokens each layer's accumulator takes.
 
     Returns:
-        A :class:`DiversityReport`; ``print(report)`` shows a table. Attention-like modules that
+        A `DiversityReport`; ``print(report)`` shows a table. Attention-like modules that
         are not measured are in ``report.skipped`` with the reason (and in the table) and named in
         one warning.
 

@@ -26,7 +26,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from hdi_monitor.adapters import AttentionLayer
+from hdi_monitor.models import AttentionLayer
 
 
 @dataclass

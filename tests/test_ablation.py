@@ -17,7 +17,7 @@ from torch import nn
 
 from hdi_monitor.ablation import ablate_heads, head_output_means
 from hdi_monitor.ablation._hooks import output_module
-from hdi_monitor.adapters import find_attention_layers
+from hdi_monitor.models import find_attention_layers
 
 transformers = pytest.importorskip("transformers")
 

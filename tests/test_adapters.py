@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from hdi_monitor.adapters import (
+from hdi_monitor.models import (
     PROJECTIONS,
     AttentionLayer,
     AttentionSpec,
@@ -814,7 +814,7 @@ def test_discovery_does_not_import_transformers_for_plain_torch():
     import sys
 
     code = (
-        "import sys, torch; from hdi_monitor.adapters import find_attention_layers;"
+        "import sys, torch; from hdi_monitor.models import find_attention_layers;"
         "find_attention_layers(torch.nn.MultiheadAttention(8, 2));"
         "assert 'transformers' not in sys.modules and 'timm' not in sys.modules"
     )

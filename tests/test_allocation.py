@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import scipy.optimize
 
-from hdi_monitor.allocation import (
+from hdi_monitor.contrib.allocation import (
     AllocationLaw,
     AllocationRun,
     feasible_head_dims,

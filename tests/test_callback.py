@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import read_events, scalar_series
 from hdi_monitor import HDIMonitor, head_diversity
-from hdi_monitor.demo import CharLM
+from hdi_monitor.contrib.demo import CharLM
 
 PROJECTIONS = ("query", "key", "value", "output")
 LAYERS = ("encoder.layers.0.self_attn", "encoder.layers.1.self_attn")
@@ -257,7 +257,7 @@ def test_two_monitors_coexist_with_state_keys(tmp_path):
 
 
 def test_internal_error_becomes_warning_and_training_goes_on(tmp_path, monkeypatch):
-    import hdi_monitor.tracker as tracker_mod
+    import hdi_monitor.monitor.tracker as tracker_mod
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")

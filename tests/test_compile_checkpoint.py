@@ -33,8 +33,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 from hdi_monitor import AttentionSpec, HDIMonitor, HDITracker, head_diversity
-from hdi_monitor.demo import CharLM
-from hdi_monitor.tracker import MonitoringWarning
+from hdi_monitor.contrib.demo import CharLM
+from hdi_monitor.monitor.tracker import MonitoringWarning
 
 PROJECTIONS = ("query", "key", "value", "output")
 STEPS, EVERY, BATCH, SEQ = 5, 2, 4, 16

@@ -1,4 +1,4 @@
-"""Tests for hdi_monitor.covariance against brute-force references (explicit per-head loops in numpy)."""
+"""Tests for hdi_monitor.functional.covariance against brute-force references (explicit per-head loops in numpy)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hdi_monitor.covariance import (
+from hdi_monitor.contrib.ensemble import bias_variance_covariance
+from hdi_monitor.functional.covariance import (
     HeadCovarianceAccumulator,
-    bias_variance_covariance,
     compute_results,
     covariance_metrics,
     head_covariance,
@@ -355,7 +355,7 @@ def test_memory_is_flat_in_the_number_of_tokens():
 
 def test_default_chunk_is_bounded_by_default_chunk_bytes():
     """Without chunk_size, the transient memory of update stays near DEFAULT_CHUNK_BYTES."""
-    import hdi_monitor.covariance as cov
+    import hdi_monitor.functional.covariance as cov
 
     h, d, dim = 4, 8, 64
     gen = torch.Generator().manual_seed(16)

@@ -19,7 +19,7 @@ from einops import rearrange
 from torch import nn
 
 from hdi_monitor import head_diversity
-from hdi_monitor.adapters import AttentionSpec, SkippedModule, discover_attention, find_attention_layers
+from hdi_monitor.models import AttentionSpec, SkippedModule, discover_attention, find_attention_layers
 from hdi_monitor.report import DiversityReport
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -235,7 +235,7 @@ def test_failure_on_one_rank_does_not_hang(where, tmp_path):
 def test_scale_benchmark_smoke_run():
     """``benchmarks/bench_hdi_scale.py --device cpu --small``: both shapes, both variants run; one
     layer at a time gives the batched HDIs; random Gaussian heads sit at the analytic chance level."""
-    from hdi_monitor.diversity import chance_hdi
+    from hdi_monitor.functional.diversity import chance_hdi
 
     bench = load_module("bench_hdi_scale", SCRIPT.parents[2] / "benchmarks" / "bench_hdi_scale.py")
     results = bench.main(["--device", "cpu", "--small", "--repeats", "1"])

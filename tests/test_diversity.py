@@ -1,4 +1,4 @@
-"""Tests of the head-diversity math (hdi_monitor.diversity) against independent references.
+"""Tests of the head-diversity math (hdi_monitor.functional.diversity) against independent references.
 
 References used: ``scipy.linalg.subspace_angles`` and ``scipy.linalg.orth`` on random Gaussian
 subspaces; uncentred linear CKA written out in numpy in its kernel form; analytic constructions
@@ -24,7 +24,7 @@ from einops import rearrange
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hdi_monitor.diversity import (
+from hdi_monitor.functional.diversity import (
     chance_hdi,
     head_diversity_index,
     invalid_heads,
@@ -359,7 +359,7 @@ def _conditioned_head(dim: int, width: int, kappa: float, seed: int, rank: int |
 def test_uniform_overlap_whitens_well_conditioned_heads_and_factors_only_the_others(monkeypatch):
     """Well-conditioned heads come from the one Gram matrix (eigh whitening), ill-conditioned and
     rank-deficient ones from QR; every pair (mixed ones too) equals scipy's mean cos^2."""
-    import hdi_monitor.diversity as dv
+    import hdi_monitor.functional.diversity as dv
 
     dim, width = 40, 5
     heads = torch.stack(

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hdi_monitor import head_diversity
-from hdi_monitor.adapters import discover_attention
+from hdi_monitor.models import discover_attention
 from kernel_capture import Captured, capture_kernels, run_and_check, zero_biases
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

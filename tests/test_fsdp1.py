@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from hdi_monitor import HDITracker, head_diversity
-from hdi_monitor.adapters import AttentionSpec, find_attention_layers
-from hdi_monitor.adapters.discovery import unwrapped_name
-from hdi_monitor.sharding import contains_fsdp1, fsdp1_units, full_weights, gathers_weights
+from hdi_monitor.models import AttentionSpec, find_attention_layers
+from hdi_monitor.models.discovery import unwrapped_name
+from hdi_monitor.models.sharding import contains_fsdp1, fsdp1_units, full_weights, gathers_weights
 
 SCRIPT = Path(__file__).parent / "scripts" / "fsdp1_tracker.py"
 TIMEOUT_S = 120

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hdi_monitor import head_diversity
-from hdi_monitor.adapters import find_attention_layers
+from hdi_monitor.models import find_attention_layers
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import hdi_monitor.report as report_mod
-from hdi_monitor.adapters import AttentionSpec, find_attention_layers
+from hdi_monitor.models import AttentionSpec, find_attention_layers
 from hdi_monitor.report import DiversityReport, LayerDiversity, compute_report, head_diversity
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -241,8 +241,8 @@ def test_cuda_model_matches_cpu():
 # ----------------------------------------------------------------------------- activations
 
 needs_cov = pytest.mark.skipif(
-    any(importlib.util.find_spec(m) is None for m in ("hdi_monitor.covariance", "hdi_monitor.capture")),
-    reason="hdi_monitor.covariance / hdi_monitor.capture (the activation helpers) are not in this tree yet",
+    any(importlib.util.find_spec(m) is None for m in ("hdi_monitor.functional.covariance", "hdi_monitor.models.hooks")),
+    reason="hdi_monitor.functional.covariance / hdi_monitor.models.hooks (the activation helpers) are not in this tree yet",
 )
 
 

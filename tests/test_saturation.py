@@ -1,4 +1,4 @@
-"""Tests for the early-warning detector (hdi_monitor.saturation).
+"""Tests for the early-warning detector (hdi_monitor.monitor.detector).
 
 References: analytic series (constant, linear, step, exponential approach), scipy's Theil-Sen
 estimator, a brute-force double loop for redundant pairs, and an uninterrupted run for resume.
@@ -16,7 +16,7 @@ import pytest
 import torch
 from scipy import stats
 
-from hdi_monitor.saturation import (
+from hdi_monitor.monitor.detector import (
     DiversityEvent,
     DiversityWarning,
     SaturationDetector,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-import hdi_monitor.tracker as tracker_mod
+import hdi_monitor.monitor.tracker as tracker_mod
 from hdi_monitor import HDIMonitor, HDITracker, head_diversity
 
 
@@ -35,7 +35,7 @@ def test_unmeasured_steps_run_no_collective_and_no_measurement(monkeypatch):
 
 
 def test_a_failed_hook_skips_the_step_and_is_not_restarted(monkeypatch):
-    import hdi_monitor.capture as capture
+    import hdi_monitor.models.hooks as capture
 
     model = encoder()
     tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=0)
@@ -232,7 +232,7 @@ class _BrokenSink:
 
 def _flat_run(sinks, steps=6):
     """lr = 0 (weights never change): saturation fires once the window is full."""
-    from hdi_monitor.saturation import DiversityWarning, SaturationDetector
+    from hdi_monitor.monitor.detector import DiversityWarning, SaturationDetector
 
     model = encoder()
     tracker = HDITracker(
@@ -250,7 +250,7 @@ def _flat_run(sinks, steps=6):
 def test_a_failing_sink_costs_only_its_own_write():
     """Item 3: a sink that raises on every step costs one warning and its own writes; history,
     events, the detector's warnings and the other sinks are those of a run without it."""
-    from hdi_monitor.sinks import MemorySink
+    from hdi_monitor.monitor.sinks import MemorySink
 
     good_ref = MemorySink()
     ref, ref_warnings, ref_notes = _flat_run([good_ref])

@@ -1,10 +1,10 @@
 """Act on the diagnosis: ablate heads, measure their importance, rank and prune them.
 
-* :func:`ablate_heads`: a context manager removing heads' contributions (zero or mean), at the input
+* `ablate_heads`: a context manager removing heads' contributions (zero or mean), at the input
   of the output projection, for every family discovery knows.
-* :func:`head_importance`: the gradient importance of Michel et al. (2019).
-* :func:`head_similarity`, :func:`redundancy_ranking` and the other rankings: which heads the others of their layer already cover.
-* :func:`prune_heads`: physically remove heads (BERT layout, GPT-2, Llama layout with GQA).
+* `head_importance`: the gradient importance of Michel et al. (2019).
+* `head_similarity`, `redundancy_ranking` and the other rankings: which heads the others of their layer already cover.
+* `prune_heads`: physically remove heads (BERT layout, GPT-2, Llama layout with GQA).
 
 See docs/pruning.md for the definitions and the MiniLM experiment.
 """

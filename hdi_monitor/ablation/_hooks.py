@@ -21,8 +21,8 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from hdi_monitor.adapters import AttentionLayer, find_attention_layers
-from hdi_monitor.capture import batch_mask, call_model, eval_mode, iter_batches
+from hdi_monitor.models import AttentionLayer, find_attention_layers
+from hdi_monitor.models.hooks import batch_mask, call_model, eval_mode, iter_batches
 
 __all__ = ["check_heads", "edit_head_outputs", "head_output_means", "output_module", "resolve_layers"]
 
@@ -174,7 +174,7 @@ def head_output_means(
 
     Args:
         model: the model.
-        batches: one batch or an iterable of batches (see :func:`hdi_monitor.head_diversity`).
+        batches: one batch or an iterable of batches (see `hdi_monitor.head_diversity`).
         layers: the attention layers (default: all that discovery finds).
 
     Returns:

@@ -15,7 +15,7 @@ from hdi_monitor.ablation._hooks import (
     resolve_layers,
     zero_edit,
 )
-from hdi_monitor.adapters import AttentionLayer
+from hdi_monitor.models import AttentionLayer
 
 __all__ = ["AblationMode", "ablate_heads"]
 
@@ -37,7 +37,7 @@ def ablate_heads(
     where discovery hooks) are replaced before the output projection: by zero (``mode="zero"``:
     the layer output becomes ``W_O o' + b`` with ``o'_h = 0`` for the ablated heads) or by the
     head's mean output over reference data (``mode="mean"``: ``o'_h = E[o_h]``, from
-    :func:`head_output_means`; the layer output then keeps the heads' average contribution, which
+    `head_output_means`; the layer output then keeps the heads' average contribution, which
     keeps the residual stream's offset). Works for every family discovery knows, grouped-query
     attention included (a query head is ablated; its key/value head still serves the others).
 
@@ -53,7 +53,7 @@ def ablate_heads(
             ``AttentionLayer.name``); indices are query heads ``0..num_heads - 1``.
         mode: ``"zero"`` or ``"mean"``.
         means: ``{layer name: (H * d,) mean head output}``, required for ``mode="mean"``.
-        layers: attention layers from :func:`hdi_monitor.adapters.find_attention_layers` (default:
+        layers: attention layers from `hdi_monitor.models.find_attention_layers` (default:
             discovered here).
 
     Yields:

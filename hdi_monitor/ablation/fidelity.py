@@ -10,7 +10,7 @@ whose first item is the hidden states, or a plain tensor):
 * **neighbours kept** is the fraction of held-out sentences whose nearest neighbour (cosine, among
   the other held-out sentences) is the same for the ablated model as for the full one.
 
-:func:`pair_contrastive_loss` is the loss used for the gradient importance of such a model when no
+`pair_contrastive_loss` is the loss used for the gradient importance of such a model when no
 task loss exists: consecutive sentences ``(2i, 2i+1)`` of a batch are positives and the other
 sentences of the batch negatives (the in-batch InfoNCE loss sentence-transformers trains with, scale
 20). At the full model, any loss comparing the ablated model with the full one has a zero gradient in
@@ -29,8 +29,8 @@ from torch import Tensor, nn
 
 from hdi_monitor.ablation.ablate import ablate_heads
 from hdi_monitor.ablation.ranking import Ranking, select_heads
-from hdi_monitor.adapters import AttentionLayer
-from hdi_monitor.capture import call_model, eval_mode, iter_batches
+from hdi_monitor.models import AttentionLayer
+from hdi_monitor.models.hooks import call_model, eval_mode, iter_batches
 
 __all__ = ["embed", "fidelity", "mean_pooled", "pair_contrastive_loss", "sweep", "time_forward"]
 

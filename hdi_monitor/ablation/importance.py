@@ -9,8 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from hdi_monitor.ablation._hooks import edit_head_outputs, gate_edit, resolve_layers
-from hdi_monitor.adapters import AttentionLayer
-from hdi_monitor.capture import eval_mode, iter_batches
+from hdi_monitor.models import AttentionLayer
+from hdi_monitor.models.hooks import eval_mode, iter_batches
 
 __all__ = ["head_importance"]
 
@@ -29,7 +29,7 @@ def head_importance(
     """Gradient importance of every head: ``I_h = E_batches |dL / d xi_h|``.
 
     A gate ``xi_h = 1`` multiplies each head's output at the input of the output projection (the
-    place :func:`ablate_heads` edits), so the forward pass is unchanged, and ``dL/dxi_h`` is the
+    place `ablate_heads` edits), so the forward pass is unchanged, and ``dL/dxi_h`` is the
     first-order change of the loss when the head is removed (``xi_h = 0``). One backward pass per
     batch, ``torch.autograd.grad`` with respect to the gates only: the model's ``.grad`` fields are
     not touched. The model runs in eval mode (no dropout; restored afterwards). As in the paper's
@@ -39,7 +39,7 @@ def head_importance(
 
     Args:
         model: the model.
-        batches: one batch or an iterable of batches (see :func:`hdi_monitor.head_diversity`).
+        batches: one batch or an iterable of batches (see `hdi_monitor.head_diversity`).
         loss_fn: ``loss_fn(model, batch)`` returning a scalar loss tensor.
         layers: attention layers (default: all that discovery finds).
         normalize: divide each layer's scores by their L2 norm.

@@ -2,7 +2,7 @@
 
 The family knowledge is one declarative entry per layout (child names of the projections, the fused
 projection and its layout, and the module attributes the forward pass reads for head counts).
-Families without an entry are refused with the reason; :func:`ablate_heads` works for all of them.
+Families without an entry are refused with the reason; `ablate_heads` works for all of them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from hdi_monitor.ablation._hooks import check_heads, resolve_layers
-from hdi_monitor.adapters import AttentionLayer, find_attention_layers
+from hdi_monitor.models import AttentionLayer, find_attention_layers
 
 __all__ = ["PRUNE_LAYOUTS", "PruneLayout", "count_parameters", "prune_heads"]
 

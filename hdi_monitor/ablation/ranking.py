@@ -22,7 +22,7 @@ makes the other one unique again. A layer's last head is never ranked before the
 out (it comes last).
 
 **Importance**: heads in increasing order of the layer-normalised gradient importance of Michel et
-al. (2019) (:func:`head_importance`), compared across layers as in the paper.
+al. (2019) (`head_importance`), compared across layers as in the paper.
 
 **Combined**: heads in increasing order of the mean of their positions in the given orders.
 
@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from hdi_monitor.ablation._hooks import resolve_layers
-from hdi_monitor.adapters import AttentionLayer
+from hdi_monitor.models import AttentionLayer
 
 __all__ = [
     "Ranking",
@@ -74,7 +74,7 @@ def head_similarity(
         model: the model.
         projections: projections whose subspace overlap is a view (may be empty when ``inputs`` is given).
         weighting: subspace overlap, ``"spectral"`` or ``"uniform"``.
-        inputs: batches for the output-correlation view (see :func:`hdi_monitor.head_diversity`).
+        inputs: batches for the output-correlation view (see `hdi_monitor.head_diversity`).
         max_tokens: cap on tokens per layer for the correlation.
         layers: attention layers (default: all that discovery finds).
 
@@ -119,7 +119,7 @@ def redundancy_ranking(similarity: Mapping[str, Tensor]) -> Ranking:
 
 
 def redundancy_scores(similarity: Mapping[str, Tensor]) -> list[tuple[str, int, float]]:
-    """The greedy order of :func:`redundancy_ranking` with each head's ``r_h(S)`` when it was removed.
+    """The greedy order of `redundancy_ranking` with each head's ``r_h(S)`` when it was removed.
 
     Each layer's last head comes at the end with score NaN (no other head is left to cover it).
     """

@@ -1,6 +1,6 @@
 """Integrations beyond Lightning: plain PyTorch loops and the Hugging Face ``Trainer``.
 
-* Plain loop: :class:`~hdi_monitor.tracker.HDITracker` itself is the API (re-exported here)::
+* Plain loop: `HDITracker` itself is the API (re-exported here)::
 
       tracker = HDITracker(model, every_n_steps=100, writer=SummaryWriter("runs/x"))
       for batch in loader:
@@ -10,7 +10,7 @@
           tracker.step()                        # before optimizer.step(): finish, advance the step
           optimizer.step(); optimizer.zero_grad()
 
-* Hugging Face ``Trainer``: :class:`~hdi_monitor.integrations.hf_trainer.HDITrainerCallback`
+* Hugging Face ``Trainer``: `HDITrainerCallback`
   (needs ``transformers``; imported on first use, so this package imports without it).
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from hdi_monitor.tracker import HDITracker, Measurement
+from hdi_monitor.monitor.tracker import HDITracker, Measurement
 
 __all__ = ["HDITracker", "Measurement", "HDITrainerCallback"]
 

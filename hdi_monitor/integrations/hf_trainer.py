@@ -1,6 +1,6 @@
 """``HDITrainerCallback``: head-diversity monitoring for the Hugging Face ``transformers.Trainer``.
 
-A thin shell over :class:`~hdi_monitor.tracker.HDITracker`, like the Lightning callback. It needs
+A thin shell over `HDITracker`, like the Lightning callback. It needs
 ``transformers`` (``pip install 'hdi-monitor[hf]'``)::
 
     from hdi_monitor.integrations import HDITrainerCallback
@@ -20,7 +20,7 @@ with ``every_n_steps == logging_steps`` each HDI point lands on a logged loss po
 micro-batch of a measured update are captured. Capture is switched on by a forward pre-hook on the
 model and off by a forward hook when the model's forward returns, so a forward recomputed during
 backward (gradient checkpointing) is not counted twice, and evaluation passes between updates are
-not captured. All hooks come off in ``on_train_end`` (or with :meth:`HDITrainerCallback.close`
+not captured. All hooks come off in ``on_train_end`` (or with `HDITrainerCallback.close`
 after a training run that raised).
 
 **Where it writes.** To ``writer`` if given: pass the same ``SummaryWriter`` to the Trainer's
@@ -57,9 +57,9 @@ from typing import Any
 
 from torch import nn
 
-from hdi_monitor.adapters import PROJECTIONS, AttentionSpec
-from hdi_monitor.saturation import DiversityEvent
-from hdi_monitor.tracker import HDITracker, Measurement, fresh_settings, tracker_settings
+from hdi_monitor.models import PROJECTIONS, AttentionSpec
+from hdi_monitor.monitor.detector import DiversityEvent
+from hdi_monitor.monitor.tracker import HDITracker, Measurement, fresh_settings, tracker_settings
 
 try:
     from transformers import TrainerCallback
@@ -101,7 +101,7 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
         projections: any of ``"query"``, ``"key"``, ``"value"``, ``"output"``.
         weighting: ``"spectral"`` (default) or ``"uniform"`` subspace overlap.
         layers: keep only these attention layers: a regex on qualified module names, or a list of names.
-        spec: an :class:`~hdi_monitor.adapters.AttentionSpec` for models no built-in adapter knows.
+        spec: an `AttentionSpec` for models no built-in adapter knows.
         log_images_every_n_steps: heatmaps and principal-angle histograms every this many steps
             (default ``10 * every_n_steps``; 0 turns them off).
         activations: capture the measured update's head outputs (covariance, effective heads).
@@ -111,9 +111,9 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
         log_dir: where to create a ``SummaryWriter`` when ``writer`` is None (see the module doc).
         early_warning: run the saturation/collapse/redundancy detector.
         patience, min_delta, warmup_steps, mode, collapse_delta, redundancy_threshold: the detector's
-            settings (see :class:`~hdi_monitor.saturation.SaturationDetector`).
+            settings (see `SaturationDetector`).
         on_saturation: ``"warn"``, ``"stop"`` (set ``control.should_training_stop`` on saturation or
-            collapse) or a callable receiving each :class:`~hdi_monitor.saturation.DiversityEvent`.
+            collapse) or a callable receiving each `DiversityEvent`.
         strict: raise internal errors instead of warning (for tests).
         seed: seed of the callback's own random generator (token subsample); the global generators
             are never used, so training is bit-identical with and without the callback.
@@ -225,7 +225,7 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
 
             self._own_writer = writer = SummaryWriter(log_dir=self.log_dir or _default_log_dir(args))
         if writer is not None and state.is_world_process_zero:
-            from hdi_monitor.sinks import TensorBoardSink
+            from hdi_monitor.monitor.sinks import TensorBoardSink
 
             tracker.sinks.append(TensorBoardSink(writer))
         self.tracker = tracker

@@ -28,7 +28,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, port: int, inputs_path: str, output_path: str) -> None:
-    from hdi_monitor.covariance import HeadCovarianceAccumulator
+    from hdi_monitor.functional.covariance import HeadCovarianceAccumulator
 
     torch.set_num_threads(1)
     dist.init_process_group(

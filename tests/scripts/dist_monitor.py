@@ -6,7 +6,7 @@ Run it as a script, never inside pytest (``strategy="ddp"`` re-runs the command 
     python tests/scripts/dist_monitor.py --strategy fsdp2 --out DIR   # ModelParallelStrategy + fully_shard
     python tests/scripts/dist_monitor.py --strategy single --out DIR  # one process, the whole global batch
 
-Every strategy trains the same tiny causal :class:`~hdi_monitor.demo.CharLM` (seeded, so every rank
+Every strategy trains the same tiny causal :class:`~hdi_monitor.contrib.demo.CharLM` (seeded, so every rank
 builds the same weights; ``lr=0``, so the weights never change) on the same fixed global batches:
 ``--strategy single`` takes global batch ``s`` at step ``s`` in one process; with two ranks a
 ``DistributedSampler(shuffle=False)`` hands rank ``r`` the samples ``r, r + 2, ...`` of it, so the
@@ -57,7 +57,7 @@ VOCAB = 128
 
 def build_model(seed: int = 0, *, fsdp2: bool = False):
     """The tiny CharLM every run trains (same weights for the same seed; every layer different)."""
-    from hdi_monitor.demo import CharLM
+    from hdi_monitor.contrib.demo import CharLM
 
     torch.manual_seed(seed)
     cls = _fsdp2_class() if fsdp2 else CharLM
@@ -68,7 +68,7 @@ def build_model(seed: int = 0, *, fsdp2: bool = False):
 
 
 def _fsdp2_class():
-    from hdi_monitor.demo import CharLM
+    from hdi_monitor.contrib.demo import CharLM
 
     class FSDP2CharLM(CharLM):
         """CharLM whose encoder layers, then the root, are sharded with FSDP2 ``fully_shard``."""
@@ -104,9 +104,9 @@ def _fault_due(where: str) -> bool:
 
 def _install_faults() -> None:
     """Wrap the monitor's weight measurement and head-output hook so they raise when due."""
-    import hdi_monitor.capture as capture
-    import hdi_monitor.covariance as covariance
-    import hdi_monitor.tracker as tracker
+    import hdi_monitor.models.hooks as capture
+    import hdi_monitor.functional.covariance as covariance
+    import hdi_monitor.monitor.tracker as tracker
 
     real_report, real_output = tracker.compute_report, capture._on_output
     real_compute = covariance.HeadCovarianceAccumulator.compute
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from hdi_monitor import HDIMonitor
-    from hdi_monitor.tracker import MonitoringWarning
+    from hdi_monitor.monitor.tracker import MonitoringWarning
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

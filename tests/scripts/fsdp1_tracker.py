@@ -135,8 +135,8 @@ def _one_config(rank: int, use_orig_params: bool) -> dict[str, Any]:
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from hdi_monitor import HDITracker
-    from hdi_monitor.sinks import MemorySink
-    from hdi_monitor.tracker import MonitoringWarning
+    from hdi_monitor.monitor.sinks import MemorySink
+    from hdi_monitor.monitor.tracker import MonitoringWarning
 
     fsdp = FSDP(
         build_model(),

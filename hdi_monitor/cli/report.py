@@ -1,0 +1,643 @@
+"""``hdi-monitor report PATH``: head diversity of a trained model, offline.
+
+PATH is one of
+
+* a Hugging Face model folder (``config.json`` + weights), loaded with
+  ``transformers.AutoModel.from_pretrained(PATH, local_files_only=True)``;
+* a Lightning checkpoint (``.ckpt``), rebuilt with ``--module package.Class`` through
+  ``Class.load_from_checkpoint(PATH, map_location="cpu")``;
+* a plain ``state_dict`` (``.pt``/``.pth``/``.bin``/``.safetensors``) with ``--config`` (a Hugging
+  Face ``config.json`` or a folder holding one): the model class named in the config's
+  ``architectures`` (else ``AutoModel.from_config``) and a strict ``load_state_dict`` that accepts
+  one common key prefix (``model.``, ``bert.``, ...);
+* with ``--allow-pickle`` only, a whole pickled ``nn.Module`` saved by ``torch.save(model)``.
+
+Files are read with ``torch.load(weights_only=True)``; ``--allow-pickle`` lifts that for files you
+trust (unpickling can run code). The output is a table (default), the JSON of
+`to_dict` (``--json``, nothing else on stdout), and with
+``--out DIR`` heatmaps, an HDI-by-layer plot and a self-contained ``index.html``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import inspect
+import json
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from hdi_monitor.cli._common import CLIError
+
+HELP = "report the head diversity of a trained model (Hugging Face folder, Lightning checkpoint or state_dict)"
+
+_PROJECTIONS = ("query", "key", "value", "output")
+_PROGRESS_LAYERS = 12  # show a progress bar by default above this many attention layers
+_TEXT_BATCH = 16  # lines per batch for --inputs text files
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "path", metavar="PATH", help="Hugging Face model folder, Lightning checkpoint, or state_dict file"
+    )
+    parser.add_argument(
+        "--module", metavar="PACKAGE.CLASS", help="LightningModule class to rebuild a Lightning checkpoint"
+    )
+    parser.add_argument(
+        "--config", metavar="CONFIG", help="Hugging Face config.json (or its folder) for a plain state_dict"
+    )
+    parser.add_argument(
+        "--projections",
+        action="append",
+        metavar="P[,P...]",
+        help="projections to measure, comma-separated (or repeated): query, key, value, output, or 'all' (default: key)",
+    )
+    parser.add_argument(
+        "--weighting", choices=("spectral", "uniform"), default="spectral", help="subspace overlap (default: spectral)"
+    )
+    parser.add_argument(
+        "--layers", metavar="REGEX", help="only attention layers whose qualified name matches this regex"
+    )
+    parser.add_argument(
+        "--inputs",
+        metavar="FILE",
+        help="a .txt file (one example per line) or a .pt tensor/dict file, for head-output statistics",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, metavar="N", help="cap on tokens per layer for --inputs"
+    )
+    parser.add_argument("--device", default="cpu", help="device to measure on (default: cpu)")
+    parser.add_argument(
+        "--json", action="store_true", help="print the report as JSON on stdout (DiversityReport.to_dict schema)"
+    )
+    parser.add_argument("--out", metavar="DIR", help="write heatmap PNGs, an HDI-by-layer plot and index.html here")
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="allow full unpickling of PATH/--inputs (runs code: trusted files only)",
+    )
+    bar = parser.add_mutually_exclusive_group()
+    bar.add_argument(
+        "--progress", dest="progress", action="store_true", default=None, help="always show a progress bar (stderr)"
+    )
+    bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    if isinstance(err, KeyError) and len(err.args) == 1:
+        text = f"missing key {err.args[0]!r}"
+    return text.splitlines()[0].strip()
+
+
+def _projections(values: list[str] | None) -> tuple[str, ...]:
+    values = values or ["key"]
+    items = [v.strip().lower() for value in values for v in value.split(",") if v.strip()]
+    if items == ["all"]:
+        return _PROJECTIONS
+    bad = [v for v in items if v not in _PROJECTIONS]
+    if bad or not items:
+        raise CLIError(f"--projections: unknown {bad or values}; choose from {', '.join(_PROJECTIONS)} or 'all'")
+    return tuple(dict.fromkeys(items))
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[Any]:
+    """Import transformers with its loading bars and info/warning logs off; CLIError if missing."""
+    try:
+        import transformers
+    except ImportError as err:
+        raise CLIError(
+            f"this PATH needs the transformers package ({_one_line(err)}): pip install 'hdi-monitor[hf]'"
+        ) from err
+    logging = transformers.utils.logging
+    verbosity = logging.get_verbosity()
+    bars = logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield transformers
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def _check_complete(path: Path, what: str) -> None:
+    """CLIError for an empty file or a torch.save zip archive whose end is missing (a copy or a save
+    that was cut off), so that such files are named for what they are."""
+    import zipfile
+
+    if not path.is_file():
+        return
+    size = path.stat().st_size
+    if size == 0:
+        raise CLIError(f"{what} {str(path)!r} is empty (0 bytes): the file was not written completely, or is not the one you meant")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head == b"PK\x03\x04" and not zipfile.is_zipfile(path):
+        raise CLIError(
+            f"{what} {str(path)!r} is truncated: it starts as a torch.save archive but its end is missing "
+            f"({size} bytes); the save or the copy was cut off"
+        )
+
+
+def _truncated_pickle(err: BaseException) -> bool:
+    return isinstance(err, EOFError) or "truncated" in str(err) or "Ran out of input" in str(err)
+
+
+def _looks_like_torch_file(path: Path) -> bool:
+    """A ``torch.save`` zip archive, or a legacy pickle (protocol 2+ starts with byte 0x80)."""
+    import zipfile
+
+    if zipfile.is_zipfile(path):
+        return True
+    with open(path, "rb") as f:
+        return f.read(1) == b"\x80"
+
+
+def _torch_load(path: Path, allow_pickle: bool, what: str) -> Any:
+    import torch
+
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError as err:
+            raise CLIError(f"{what} {str(path)!r} is a .safetensors file: pip install safetensors") from err
+        try:
+            return load_file(str(path), device="cpu")
+        except Exception as err:  # noqa: BLE001 - any failure means: not a safetensors file
+            raise CLIError(f"{what} {str(path)!r} is not a readable safetensors file ({_one_line(err)})") from err
+    _check_complete(path, what)
+    if not _looks_like_torch_file(path):
+        raise CLIError(f"{what} {str(path)!r} is not a PyTorch model file (neither a torch.save archive nor a pickle)")
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=not allow_pickle)
+    except Exception as err:  # noqa: BLE001
+        if not allow_pickle and "Weights only load failed" in str(err):
+            raise CLIError(
+                f"{what} {str(path)!r} holds Python objects beyond tensors; if you trust the file, rerun with --allow-pickle"
+            ) from err
+        if _truncated_pickle(err):
+            raise CLIError(f"{what} {str(path)!r} is truncated: its data ends early; the save or the copy was cut off") from err
+        raise CLIError(
+            f"{what} {str(path)!r} is not a PyTorch model file ({type(err).__name__}: {_one_line(err)})"
+        ) from err
+
+
+def _import_class(spec: str) -> type:
+    module_name, _, class_name = spec.rpartition(".")
+    if not module_name or not class_name:
+        raise CLIError(f"--module must be 'package.module.Class', got {spec!r}")
+    cwd = os.getcwd()
+    if cwd not in sys.path:  # like `python -m`: modules next to the user's scripts import
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise CLIError(f"--module {spec}: cannot import {module_name!r} ({_one_line(err)})") from err
+    except Exception as err:  # noqa: BLE001 - the user's module failed while importing
+        raise CLIError(
+            f"--module {spec}: importing {module_name!r} failed ({type(err).__name__}: {_one_line(err)})"
+        ) from err
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        raise CLIError(f"--module {spec}: {module_name!r} has no class {class_name!r}")
+    return cls
+
+
+def _load_lightning(path: Path, spec: str, allow_pickle: bool) -> Any:
+    cls = _import_class(spec)
+    try:
+        import lightning.pytorch as pl
+    except ImportError as err:  # pragma: no cover - lightning is a dependency
+        raise CLIError(f"--module needs lightning ({_one_line(err)})") from err
+    if not issubclass(cls, pl.LightningModule):
+        raise CLIError(f"--module {spec}: {cls.__name__} is not a LightningModule subclass")
+    if path.is_dir():
+        raise CLIError(f"{str(path)!r} is a folder; --module expects a Lightning checkpoint file")
+    _check_complete(path, "checkpoint")
+    try:
+        return cls.load_from_checkpoint(str(path), map_location="cpu", weights_only=not allow_pickle)
+    except Exception as err:  # noqa: BLE001
+        if not allow_pickle and "Weights only load failed" in str(err):
+            raise CLIError(
+                f"{str(path)!r} holds Python objects beyond tensors; if you trust the file, rerun with --allow-pickle"
+            ) from err
+        if _truncated_pickle(err):
+            raise CLIError(f"checkpoint {str(path)!r} is truncated: its data ends early; the save or the copy was cut off") from err
+        raise CLIError(f"cannot rebuild {spec} from {str(path)!r} ({type(err).__name__}: {_one_line(err)})") from err
+
+
+def _is_lightning_checkpoint(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and "state_dict" in obj and any("lightning_version" in str(k) for k in obj)
+
+
+def _as_state_dict(obj: Any) -> dict[str, Any] | None:
+    """A ``{name: tensor}`` mapping from a loaded object, looking inside the usual wrappers."""
+    import torch
+
+    if not isinstance(obj, Mapping):
+        return None
+    if obj and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
+        return dict(obj)
+    for key in ("state_dict", "model_state_dict", "model"):
+        inner = obj.get(key)
+        if isinstance(inner, Mapping) and inner and all(isinstance(v, torch.Tensor) for v in inner.values()):
+            return dict(inner)
+    return None
+
+
+def _config_path(config: str) -> Path:
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise CLIError(f"--config {config!r}: no such config file (give a config.json or a folder holding one)")
+    return path
+
+
+def _strip_prefix(state: dict[str, Any], wanted: set[str], base_prefix: str | None) -> tuple[dict[str, Any], str]:
+    """Pick the key prefix (``""``, ``"model."``, the model's ``base_model_prefix``, ...) whose
+    stripped keys best cover ``wanted``; keys outside the prefix (task heads) are dropped."""
+    candidates = {""}
+    if base_prefix:
+        candidates.add(base_prefix + ".")
+    for key in state:
+        parts = key.split(".")
+        for n in (1, 2):
+            if len(parts) > n:
+                candidates.add(".".join(parts[:n]) + ".")
+    best, best_prefix, best_hits = state, "", -1
+    for prefix in sorted(candidates, key=len):
+        stripped = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        hits = len(wanted & stripped.keys())
+        if hits > best_hits:
+            best, best_prefix, best_hits = stripped, prefix, hits
+    return best, best_prefix
+
+
+def _model_classes(transformers: Any, cfg: Any) -> list[tuple[str, Any]]:
+    """Classes to try for a config: its ``architectures`` (the model the weights came from), then
+    ``AutoModel`` (the base model)."""
+    out = []
+    for name in getattr(cfg, "architectures", None) or []:
+        cls = getattr(transformers, str(name), None)
+        if isinstance(cls, type):
+            out.append((str(name), cls))
+    out.append(("AutoModel", None))
+    return out
+
+
+def _build(transformers: Any, cls: Any, cfg: Any) -> Any:
+    return transformers.AutoModel.from_config(cfg) if cls is None else cls(cfg)
+
+
+def _load_state_dict_model(path: Path, state: dict[str, Any], config: str) -> Any:
+    """Build the model ``config`` describes and load ``state`` into it, strictly up to one prefix."""
+    import torch
+
+    with _quiet_transformers() as transformers:
+        cfg_path = _config_path(config)
+        try:
+            cfg = transformers.AutoConfig.from_pretrained(str(cfg_path.parent), local_files_only=True)
+        except Exception as err:  # noqa: BLE001
+            raise CLIError(f"--config {config!r} is not a Hugging Face config ({_one_line(err)})") from err
+        best: tuple[int, str, str, list[str], list[str]] | None = None
+        for name, cls in _model_classes(transformers, cfg):
+            try:
+                with torch.device("meta"):  # key names only: no memory, no initialisation
+                    skeleton = _build(transformers, cls, cfg)
+            except Exception as err:  # noqa: BLE001
+                if cls is None:
+                    raise CLIError(f"cannot build a model from --config {config!r} ({_one_line(err)})") from err
+                continue
+            wanted = set(skeleton.state_dict().keys())
+            stripped, prefix = _strip_prefix(state, wanted, getattr(skeleton, "base_model_prefix", None))
+            missing = sorted(wanted - stripped.keys())
+            unexpected = sorted(stripped.keys() - wanted)
+            if not missing and not unexpected:
+                model = _build(transformers, cls, cfg)
+                try:
+                    model.load_state_dict(stripped, strict=True)
+                except Exception as err:  # noqa: BLE001 - shape mismatches
+                    raise CLIError(f"{str(path)!r} does not fit {name} built from --config ({_one_line(err)})") from err
+                return model
+            score = len(missing) + len(unexpected)
+            if best is None or score < best[0]:
+                best = (score, type(skeleton).__name__, prefix, missing, unexpected)
+    assert best is not None
+    _, cls_name, prefix, missing, unexpected = best
+    where = f" (after removing the prefix {prefix!r})" if prefix else ""
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing key(s), e.g. {missing[:3]}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected key(s), e.g. {unexpected[:3]}")
+    raise CLIError(
+        f"{str(path)!r} does not fit {cls_name} built from --config{where}: "
+        + "; ".join(parts)
+        + '; for a task model (e.g. BertForMaskedLM) name its class in the config\'s "architectures"'
+    )
+
+
+def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
+    """Load PATH as described by the options. Returns ``(model, tokenizer or None)``."""
+    from torch import nn
+
+    path = Path(args.path)
+    if not path.exists():
+        raise CLIError(f"no such file or folder: {args.path!r}")
+    if args.module:
+        if args.config:
+            raise CLIError(
+                "--module and --config exclude each other (--module: Lightning checkpoint; --config: plain state_dict)"
+            )
+        return _load_lightning(path, args.module, args.allow_pickle), None
+    if path.is_dir():
+        if args.config:
+            raise CLIError("--config is for a plain state_dict file; a Hugging Face folder brings its own config.json")
+        if not (path / "config.json").is_file():
+            raise CLIError(f"{args.path!r} is a folder without config.json, so not a Hugging Face model folder")
+        with _quiet_transformers() as transformers:
+            try:
+                model = transformers.AutoModel.from_pretrained(str(path), local_files_only=True)
+            except Exception as err:  # noqa: BLE001
+                raise CLIError(f"cannot load a Hugging Face model from {args.path!r} ({_one_line(err)})") from err
+            tokenizer = None
+            if args.inputs and str(args.inputs).endswith(".txt"):
+                try:
+                    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+                except Exception as err:  # noqa: BLE001
+                    raise CLIError(
+                        f"--inputs is text but {args.path!r} has no usable tokenizer ({_one_line(err)})"
+                    ) from err
+        return model, tokenizer
+    obj = _torch_load(path, args.allow_pickle, "PATH")
+    if isinstance(obj, nn.Module):
+        return obj, None
+    if _is_lightning_checkpoint(obj):
+        raise CLIError(f"{args.path!r} is a Lightning checkpoint: pass --module package.Class (your LightningModule)")
+    state = _as_state_dict(obj)
+    if state is None:
+        raise CLIError(
+            f"{args.path!r} is not a model: expected a state_dict (name -> tensor), a Lightning checkpoint or a model folder"
+        )
+    if not args.config:
+        raise CLIError(
+            f"{args.path!r} is a plain state_dict: pass --config with the Hugging Face config.json that built it"
+        )
+    model = _load_state_dict_model(path, state, args.config)
+    tokenizer = None
+    if args.inputs and str(args.inputs).endswith(".txt"):
+        with _quiet_transformers() as transformers:
+            with contextlib.suppress(Exception):
+                tokenizer = transformers.AutoTokenizer.from_pretrained(
+                    str(_config_path(args.config).parent), local_files_only=True
+                )
+        if tokenizer is None:
+            raise CLIError(
+                "--inputs is text but the --config folder has no tokenizer; give a .pt file of token ids instead"
+            )
+    return model, tokenizer
+
+
+def _to_device(obj: Any, device: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, Mapping):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+def load_inputs(path_str: str, model: Any, tokenizer: Any, allow_pickle: bool) -> Any:
+    """``--inputs``: a .txt file tokenized in batches of 16 lines, or a .pt file of tensors."""
+    path = Path(path_str)
+    if not path.is_file():
+        raise CLIError(f"--inputs: no such file: {path_str!r}")
+    if path.suffix == ".txt":
+        if tokenizer is None:
+            raise CLIError(
+                "--inputs is a text file, which needs a Hugging Face model folder with a tokenizer; give a .pt file of token ids instead"
+            )
+        lines = [
+            line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()
+        ]
+        if not lines:
+            raise CLIError(f"--inputs {path_str!r} has no non-empty line")
+        if tokenizer.pad_token is None and getattr(tokenizer, "eos_token", None) is not None:
+            tokenizer.pad_token = tokenizer.eos_token  # GPT-2 style tokenizers have no pad token
+        limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 512
+        limit = min(int(limit), int(getattr(tokenizer, "model_max_length", limit) or limit))
+        accepted = set(inspect.signature(model.forward).parameters)
+        batches = []
+        for start in range(0, len(lines), _TEXT_BATCH):
+            enc = tokenizer(
+                lines[start : start + _TEXT_BATCH], padding=True, truncation=True, max_length=limit, return_tensors="pt"
+            )
+            batches.append({k: v for k, v in enc.items() if k in accepted})
+        return batches
+    if path.suffix in (".pt", ".pth", ".bin"):
+        import torch
+
+        obj = _torch_load(path, allow_pickle, "--inputs")
+        if isinstance(obj, (torch.Tensor, Mapping, list, tuple)):
+            return obj
+        raise CLIError(
+            f"--inputs {path_str!r} holds a {type(obj).__name__}; expected a tensor, a dict of tensors or a list of batches"
+        )
+    raise CLIError(f"--inputs must be a .txt or .pt file, got {path_str!r}")
+
+
+class _Bar:
+    """A tqdm bar on stderr, or a silent stand-in."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self._bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, file=sys.stderr, desc="hdi-monitor report", unit="step", leave=False)
+
+    def update(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def grow(self, n: int) -> None:
+        if self._bar is not None:
+            self._bar.total += n
+            self._bar.refresh()
+
+    def describe(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def find_layers(model: Any, args: argparse.Namespace) -> list[Any]:
+    """The attention layers of ``model`` selected by ``--layers`` (CLIError when there is none)."""
+    import torch
+
+    from hdi_monitor.models import find_attention_layers
+
+    try:
+        with torch.no_grad():
+            return find_attention_layers(model, layers=args.layers)
+    except (ValueError, TypeError) as err:
+        raise CLIError(f"{args.path!r}: {_one_line(err)}") from err
+
+
+def measure(
+    model: Any,
+    layers: list[Any],
+    projections: tuple[str, ...],
+    weighting: str,
+    inputs: Any = None,
+    max_tokens: int | None = None,
+    bar: _Bar | None = None,
+) -> Any:
+    """The report `head_diversity` gives, computed one projection at a time so
+    that a progress bar can follow large models (projections are independent in
+    `compute_report`, so the numbers are the same)."""
+    import torch
+
+    from hdi_monitor.report import DiversityReport, _add_activation_stats, compute_report
+
+    bar = bar or _Bar(0, False)
+    merged: DiversityReport | None = None
+    for p in projections:
+        bar.describe(f"{len(layers)} layers, {p}")
+        part = compute_report(layers, projections=(p,), weighting=weighting)
+        if merged is None:
+            merged = part
+        else:
+            for into, lay in zip(merged.layers, part.layers, strict=True):
+                into.hdi.update(lay.hdi)
+                into.overlap.update(lay.overlap)
+                into.chance_hdi.update(lay.chance_hdi)
+                into.max_hdi.update(lay.max_hdi)
+                into.invalid_heads.update(lay.invalid_heads)
+        bar.update(1)
+    assert merged is not None
+    report = DiversityReport(layers=merged.layers, projections=projections, weighting=weighting)
+    if inputs is not None:
+        bar.describe("head outputs")
+        try:
+            with torch.no_grad():
+                _add_activation_stats(model, layers, report.layers, inputs, max_tokens)
+        except (ValueError, TypeError) as err:
+            raise CLIError(f"--inputs: {_one_line(err)}") from err
+        bar.update(1)
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
+    projections = _projections(args.projections)
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise CLIError(f"--max-tokens must be a positive integer, got {args.max_tokens}")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise CLIError(f"--out {args.out!r} exists and is not a folder")
+    if args.out:
+        try:  # fail before the model is loaded and measured, not after
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise CLIError(f"--out {args.out!r}: cannot create the folder {_os_error(err, args.out)}") from err
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as err:
+        raise CLIError(f"--device {args.device!r}: {_one_line(err)}") from err
+    model, tokenizer = load_model(args)
+    model.eval()
+    inputs = None
+    if args.inputs:
+        inputs = load_inputs(args.inputs, model, tokenizer, args.allow_pickle)
+    if device.type != "cpu":
+        try:
+            model.to(device)
+        except Exception as err:  # noqa: BLE001
+            raise CLIError(f"--device {args.device!r}: {_one_line(err)}") from err
+        inputs = _to_device(inputs, device)
+    layers = find_layers(model, args)
+    show = args.progress if args.progress is not None else len(layers) > _PROGRESS_LAYERS
+    bar = _Bar(len(projections) + (inputs is not None), show)
+    try:
+        report = measure(model, layers, projections, args.weighting, inputs, args.max_tokens, bar)
+        files = None
+        if args.out:
+            from hdi_monitor.cli.html import figure_count, write_report
+
+            bar.grow(figure_count(report))
+            bar.describe("figures")
+            resolved = Path(args.path).resolve()
+            name = f"{resolved.parent.name}/{resolved.name}" if resolved.is_dir() else resolved.name
+            title = f"Head diversity: {name}"
+            try:
+                files = write_report(report, args.out, title=title, source=str(args.path), progress=bar.update)
+            except OSError as err:
+                raise CLIError(f"--out {args.out!r}: cannot write {_os_error(err, args.out)}") from err
+    finally:
+        bar.close()
+    try:
+        if args.json:
+            json.dump(report.to_dict(), sys.stdout, allow_nan=False)
+            sys.stdout.write("\n")
+        else:
+            print(report.format_table())
+        if files is not None:
+            print(f"wrote {len(files.all())} files; open {files.html}", file=sys.stderr if args.json else sys.stdout)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as err:
+        name = _stdout_name()
+        _discard_stdout()
+        raise CLIError(f"cannot write the report to {name}: {err.strerror or err}") from err
+    return 0
+
+
+def _os_error(err: OSError, default: str) -> str:
+    """``'path': reason`` of an OSError, in words (``'runs/x/index.html': No space left on device``)."""
+    where = err.filename if err.filename is not None else default
+    reason = err.strerror or str(err) or type(err).__name__
+    if isinstance(err, (NotADirectoryError, FileExistsError)) and not isinstance(err, IsADirectoryError):
+        reason += " (a file stands where a folder is expected)"
+    elif isinstance(err, IsADirectoryError):
+        reason += " (a folder stands where a file is expected)"
+    return f"{str(where)!r}: {reason}"
+
+
+def _stdout_name() -> str:
+    """What standard output is connected to (``'/dev/full'``, a file path), for error messages."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{sys.stdout.fileno()}")
+    except (OSError, ValueError, AttributeError):
+        return "standard output"
+    return f"standard output ({target})" if target.startswith("/") else "standard output"
+
+
+def _discard_stdout() -> None:
+    """Point standard output at /dev/null so that the interpreter's final flush of what could not be
+    written does not fail a second time (the BrokenPipeError recipe of the Python docs)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError, AttributeError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)

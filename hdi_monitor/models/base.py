@@ -1,0 +1,388 @@
+"""The attention-layer abstraction, the user spec and the adapter registry.
+
+An `AttentionLayer` is one attention module found in a model. It knows the head counts,
+how to read each head's weights as ``(heads, D_in, d)`` tensors and where to hook the concatenated
+per-head outputs. Family adapters (one module each in this package) recognise modules by their class
+and attribute structure and build layers; `AttentionSpec` lets a user describe any other
+attention module in a few lines. Nothing outside ``hdi_monitor.models`` knows about model families.
+
+Conventions (see the README, "Attention discovery"):
+
+* ``head_weights("query" | "key" | "value")`` gives ``W_h`` in ``R^{D_in x d}`` with head ``h``'s
+  projection ``x @ W_h (+ bias)``; the columns span what the head reads.
+* ``head_weights("output")`` gives ``W_O,h`` in ``R^{D x d}`` with ``c_h = W_O,h o_h`` the head's
+  contribution to the layer output (columns ``[h*d:(h+1)*d]`` of the out-projection weight).
+* Key and value have ``num_kv_heads`` heads (fewer than ``num_heads`` under grouped-query attention);
+  query head ``h`` uses key/value head ``layer.kv_head(h)``, ``h // (num_heads // num_kv_heads)``
+  except for x-transformers (``h % num_kv_heads``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from einops import rearrange
+from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
+
+from hdi_monitor.exceptions import AdapterMismatch
+
+__all__ = [
+    "PROJECTIONS",
+    "Adapter",
+    "AdapterMismatch",
+    "AttentionLayer",
+    "SkippedModule",
+    "HookHandle",
+    "OutputHook",
+    "WeightSource",
+    "check_projection",
+    "full_weight",
+    "linear_sources",
+    "register_adapter",
+    "registered_adapters",
+    "split_in_features",
+    "split_out_features",
+]
+
+PROJECTIONS: tuple[str, ...] = ("query", "key", "value", "output")
+
+OutputHook = Callable[[Tensor, "Tensor | None"], None]
+"""``fn(o, keep_mask)``: ``o`` is ``(..., num_heads * head_dim)``, ``keep_mask`` None or bool."""
+
+ErrorHandler = Callable[[Exception], None]
+"""``on_error(err)``: receives an exception raised inside an output hook instead of the forward pass."""
+
+
+def guarded(pre_hook: Callable[..., None], on_error: ErrorHandler | None) -> Callable[..., None]:
+    """``pre_hook`` run with autocast off (measurements stay in float32/float64 under the caller's
+    ``torch.autocast``), its exceptions passed to ``on_error`` (re-raised when ``on_error`` is None)."""
+    from hdi_monitor.functional._numerics import no_autocast
+
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            with no_autocast():
+                pre_hook(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - monitoring must not break the forward pass
+            if on_error is None:
+                raise
+            on_error(err)
+
+    return run
+
+
+WeightSource = Callable[[], Tensor]
+"""Returns one projection's weight in ``nn.Linear`` layout, gathered (not a DTensor shard).
+
+For query/key/value: ``(heads * d, D_in)``; for output: ``(D, num_heads * d)``.
+"""
+
+
+@dataclass(frozen=True)
+class SkippedModule:
+    """An attention-like module that discovery found but does not measure.
+
+    Attributes:
+        name: qualified module name.
+        class_name: the module's class name.
+        reason: why it is not measured (and, where one exists, how to measure it).
+    """
+
+    name: str
+    class_name: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        """``{"name", "class_name", "reason"}``."""
+        return {"name": self.name, "class_name": self.class_name, "reason": self.reason}
+
+
+def check_projection(projection: str) -> str:
+    """Return ``projection`` if it is one of `PROJECTIONS`, else raise ValueError."""
+    if projection not in PROJECTIONS:
+        raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
+    return projection
+
+
+def full_weight(t: Tensor) -> Tensor:
+    """Detach a parameter and gather it if it is a DTensor (FSDP2): ``.full_tensor()``.
+
+    Gathering is a collective: under FSDP2 every rank must read the same weights.
+    """
+    t = t.detach()
+    gather = getattr(t, "full_tensor", None)
+    if callable(gather):
+        t = gather()
+    return t
+
+
+def split_out_features(weight: Tensor, heads: int) -> Tensor:
+    """Split an ``nn.Linear``-layout weight ``(heads * d, D_in)`` into ``(heads, D_in, d)``.
+
+    Row block ``h`` of the weight is head ``h``'s projection, so ``x @ W_h`` is that head's slice of
+    the layer's output.
+    """
+    return rearrange(weight, "(h d) m -> h m d", h=heads)
+
+
+def split_in_features(weight: Tensor, heads: int) -> Tensor:
+    """Split an out-projection weight ``(D, heads * d)`` into ``(heads, D, d)`` (column blocks)."""
+    return rearrange(weight, "m (h d) -> h m d", h=heads)
+
+
+def linear_sources(query: nn.Module, key: nn.Module, value: nn.Module, output: nn.Module) -> dict[str, WeightSource]:
+    """Weight sources for four ``nn.Linear``-layout modules; each reads ``.weight`` when called."""
+    modules = {"query": query, "key": key, "value": value, "output": output}
+    return {p: (lambda m=m: m.weight) for p, m in modules.items()}
+
+
+def _check_divides(layer: str, projection: str, size: int, heads: int, head_dim: int, what: str) -> None:
+    if size != heads * head_dim:
+        raise AdapterMismatch(
+            f"{layer}: {projection} weight has {size} {what}, expected {heads} heads x head_dim {head_dim} "
+            f"= {heads * head_dim}"
+        )
+
+
+class HookHandle:
+    """Removable handle for one or more hooks; ``remove()`` is idempotent.
+
+    Also a context manager: ``with layer.attach_output_hook(fn): model(x)``.
+    """
+
+    def __init__(self, *handles: Any, on_remove: Callable[[], None] | None = None) -> None:
+        self._handles = list(handles)
+        self._on_remove = on_remove
+        self._removed = False
+
+    def remove(self) -> None:
+        if self._removed:
+            return
+        self._removed = True
+        for h in self._handles:
+            h.remove()
+        if self._on_remove is not None:
+            self._on_remove()
+
+    def __enter__(self) -> HookHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+class AttentionLayer:
+    """One attention module found in a model.
+
+    Attributes:
+        name: qualified module name (as in ``model.named_modules()``).
+        module: the attention module.
+        family: adapter family, e.g. ``"torch_mha"``, ``"bert"``, ``"llama"``, ``"spec"``.
+        num_heads: query heads ``H``.
+        num_kv_heads: key/value heads ``H_kv`` (``< H`` under grouped-query attention).
+        head_dim: per-head width ``d``.
+        model_dim: model width ``D`` (the out-projection's output size).
+        mask_key: batch-dict key holding the ``(B, T)`` token mask of this layer's query tokens, or
+            None where there is none (vision models, plain torch modules).
+        kv_map: how query heads share key/value heads (see `kv_head`).
+        projection_dims: per-projection head width (``head_dim`` for all but Multi-head Latent
+            Attention, whose query/key heads are wider or narrower than its value heads).
+        notes: what the report should say about this layer (e.g. parts left out of the HDI).
+        output_module: the module whose input is the concatenated head output (hooked for
+            activation statistics).
+
+    Family adapters build layers from `WeightSource` callables (one per projection) and the
+    module whose input is the concatenated head output; subclasses may override
+    `attach_output_hook` (``nn.MultiheadAttention`` does).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        *,
+        family: str,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        model_dim: int,
+        weights: Mapping[str, WeightSource],
+        output_module: nn.Module | None = None,
+        mask_key: str | None = None,
+        kv_map: Literal["block", "modulo"] = "block",
+        projection_dims: Mapping[str, int] | None = None,
+        notes: tuple[str, ...] = (),
+    ) -> None:
+        missing = [p for p in PROJECTIONS if p not in weights]
+        if missing:
+            raise ValueError(f"{name}: no weight source for projection(s) {missing}")
+        for label, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: {label} must be a positive integer, got {value!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"{name}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        if kv_map not in ("block", "modulo"):
+            raise ValueError(f"{name}: kv_map must be 'block' or 'modulo', got {kv_map!r}")
+        self.kv_map = kv_map
+        self.projection_dims = {p: head_dim for p in PROJECTIONS}
+        self.projection_dims.update(projection_dims or {})
+        self.notes = tuple(notes)
+        self.name = name
+        self.module = module
+        self.family = family
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.model_dim = model_dim
+        self.mask_key = mask_key
+        self._weights = dict(weights)
+        self._output_module = output_module
+
+    def __repr__(self) -> str:
+        kv = f"/{self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        return (
+            f"AttentionLayer({self.name!r}, family={self.family!r}, heads={self.num_heads}{kv}, "
+            f"head_dim={self.head_dim}, model_dim={self.model_dim})"
+        )
+
+    @property
+    def output_module(self) -> nn.Module | None:
+        """The module whose input is the concatenated head output (the out-projection), or None
+        where there is none to hook (``nn.MultiheadAttention`` calls its ``out_proj`` weight directly)."""
+        return self._output_module
+
+    def kv_head(self, head: int) -> int:
+        """The key/value head that query head ``head`` attends with: ``head // (H / H_kv)``
+        (``kv_map="block"``, the usual grouped-query layout) or ``head % H_kv`` (``"modulo"``,
+        x-transformers)."""
+        if not 0 <= head < self.num_heads:
+            raise ValueError(f"{self.name}: head must be in [0, {self.num_heads}), got {head}")
+        if self.kv_map == "modulo":
+            return head % self.num_kv_heads
+        return head // (self.num_heads // self.num_kv_heads)
+
+    def heads_for(self, projection: str) -> int:
+        """Number of heads of ``projection``: ``num_kv_heads`` for key/value, else ``num_heads``."""
+        check_projection(projection)
+        return self.num_kv_heads if projection in ("key", "value") else self.num_heads
+
+    def head_weights(self, projection: str) -> Tensor:
+        """Per-head weights of one projection, ``(heads, D_in, d)``.
+
+        Detached, in the parameter's own dtype and device (no copy to CPU); DTensor parameters are
+        gathered. For query/key/value ``x @ W_h (+ bias)`` is head ``h``'s projection of
+        ``x in R^{D_in}``; for output ``W_O,h in R^{D x d}`` maps head ``h``'s output to its
+        contribution to the layer output.
+        """
+        heads = self.heads_for(projection)
+        d = self.projection_dims[projection]
+        w = full_weight(self._weights[projection]())
+        if projection == "output":
+            _check_divides(self.name, projection, w.shape[1], heads, d, "input features")
+            return split_in_features(w, heads)
+        _check_divides(self.name, projection, w.shape[0], heads, d, "output features")
+        return split_out_features(w, heads)
+
+    def attach_output_hook(self, fn: OutputHook, on_error: ErrorHandler | None = None) -> HookHandle:
+        """Call ``fn(o, keep_mask)`` on every forward of this layer while attached.
+
+        ``o`` is ``(..., num_heads * head_dim)``, the concatenated per-head outputs before the output
+        projection, head-major, detached. ``keep_mask`` is None here (token masks come from the batch,
+        see `mask_key`). With ``on_error``, an exception inside the hook goes to
+        ``on_error(err)`` and the forward pass goes on. Returns a handle with ``.remove()``.
+        """
+        if self._output_module is None:
+            raise ValueError(
+                f"{self.name}: no output module to hook; give AttentionSpec(output_module=...) the name of "
+                "the submodule whose input is the concatenated head output"
+            )
+
+        def pre_hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            o = args[0] if args else next(iter(kwargs.values()))
+            fn(o.detach(), None)
+
+        return HookHandle(self._output_module.register_forward_pre_hook(guarded(pre_hook, on_error), with_kwargs=True))
+
+    def parameters_not_ready(self) -> list[str]:
+        """Names of this module's parameters that are on the meta device or uninitialised (lazy)."""
+        return _parameters_not_ready(self.module)
+
+
+def _parameters_not_ready(module: nn.Module) -> list[str]:
+    out = []
+    for pname, p in module.named_parameters():
+        if is_lazy(p) or p.is_meta:
+            out.append(pname)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ registry
+
+
+class _Build(Protocol):
+    def __call__(self, name: str, module: nn.Module) -> AttentionLayer: ...
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A model-family adapter.
+
+    Attributes:
+        family: family label, e.g. ``"llama"``.
+        classes: human-readable description of the classes it matches (for errors and docs).
+        match: ``(name, module) -> bool`` from class/attribute structure only (no weight access, so it
+            also works on meta-device or lazy modules).
+        build: ``(name, module) -> AttentionLayer``; may raise `AdapterMismatch`.
+    """
+
+    family: str
+    classes: str
+    match: Callable[[str, nn.Module], bool]
+    build: _Build
+
+
+_REGISTRY: list[Adapter] = []
+_REGISTRY_LOCK = threading.Lock()
+
+
+def register_adapter(adapter: Adapter, *, first: bool = True) -> None:
+    """Add a family adapter. ``first=True`` (default) tries it before the built-in ones.
+
+    An adapter with the same family label replaces the registered one.
+    """
+    if not isinstance(adapter, Adapter):
+        raise TypeError(f"register_adapter expects an Adapter, got {type(adapter).__name__}")
+    with _REGISTRY_LOCK:
+        _REGISTRY[:] = [a for a in _REGISTRY if a.family != adapter.family]
+        if first:
+            _REGISTRY.insert(0, adapter)
+        else:
+            _REGISTRY.append(adapter)
+
+
+def registered_adapters() -> tuple[Adapter, ...]:
+    """The registered adapters, in the order they are tried."""
+    with _REGISTRY_LOCK:
+        return tuple(_REGISTRY)
+
+
+def int_attr(obj: Any, *names: str) -> int | None:
+    """First of ``names`` that ``obj`` (or its ``config``) has as a positive int, else None."""
+    for holder in (obj, getattr(obj, "config", None)):
+        if holder is None:
+            continue
+        for n in names:
+            v = getattr(holder, n, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
+
+
+def is_linear(m: Any) -> bool:
+    """An ``nn.Linear`` (lazy ones included)."""
+    return isinstance(m, nn.Linear)

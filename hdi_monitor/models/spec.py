@@ -1,0 +1,293 @@
+"""The user's description of attention modules: `AttentionSpec`."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from torch import Tensor, nn
+
+from hdi_monitor.models.base import AttentionLayer, WeightSource
+from hdi_monitor.models.layouts import PACKINGS, Packing, default_mask_key, resolve_heads, split_fused
+from hdi_monitor.models.weights import is_projection, linear_weight
+
+__all__ = ["AttentionSpec", "as_specs"]
+
+Ref = str | Callable[[nn.Module], Tensor]
+
+
+def _resolve(module: nn.Module, path: str) -> Any:
+    obj: Any = module
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            raise AttributeError(part)
+        obj = getattr(obj, part)
+    return obj
+
+
+def _as_tensor(obj: Any, name: str, projection: str) -> Tensor:
+    if not isinstance(obj, Tensor):
+        raise TypeError(f"{name}: AttentionSpec.{projection} gave {type(obj).__name__}, expected a Tensor")
+    return obj
+
+
+def _positive(label: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"AttentionSpec.{label} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Describe attention modules that no built-in layout knows, or override one.
+
+    Specs combine with the built-in families: ``spec=`` takes one spec or a list; a module that a
+    spec matches is read with the spec (a spec wins where both match), every other module with the
+    built-ins. Head counts and widths may differ per matched module: each one not given here is read
+    from the module (``num_heads``, ``num_attention_heads``, ``head_dim``, ...), then its ``config``,
+    then the model's ``config``, and checked against the weights' shapes.
+
+    Example, separate projections (a block with ``wq, wk, wv, wo`` ``nn.Linear`` layers)::
+
+        spec = AttentionSpec(
+            modules=r"blocks\\.\\d+\\.attn",      # regex, full match on the qualified module name
+            query="wq", key="wk", value="wv", output="wo",
+            num_heads=8, num_kv_heads=2,         # or leave them out to read them from the module
+        )
+        report = head_diversity(model, spec=spec)
+
+    Example, a fused projection (its row layout must be declared: shapes cannot tell it)::
+
+        AttentionSpec(modules=r"h\\.\\d+\\.attn", qkv="qkv", qkv_layout="interleaved", output="proj")
+
+    Args:
+        modules: which modules are attention layers: a regex matched against the *whole* qualified
+            name (``re.fullmatch``), or a predicate ``(name, module) -> bool``. Descendants of a
+            matched module are not searched.
+        query, key, value, output: each a dotted attribute path relative to the attention module,
+            naming a projection module (``nn.Linear``, ``Conv1D``, a LoRA layer: its effective
+            weight is read) or a tensor (``"wq.weight"``), or a callable ``module -> Tensor``.
+            Tensors are in ``nn.Linear`` layout: ``(heads * d, D_in)`` for query/key/value and
+            ``(D, num_heads * d)`` for output.
+        num_heads: query heads (default: read per module).
+        num_kv_heads: key/value heads (default: read per module, else from the key's width).
+        head_dim: per-head width (default: read per module, else output width / num_heads).
+        output_module: dotted path of the submodule whose input is the concatenated head output
+            (for activation statistics). Default: ``output`` when that names a module.
+        mask_key: batch-dict key of the ``(B, T)`` token mask for this layer's query tokens;
+            ``"auto"`` (default) picks it per sub-model: none for vision towers,
+            ``decoder_attention_mask`` in the decoder of an encoder-decoder model, else
+            ``attention_mask``; None for no mask.
+        family: family label written into the report.
+        qkv: a fused q/k/v projection (path or callable), instead of ``query``/``key``/``value``.
+        qkv_layout: the fused projection's row layout, required with ``qkv``: ``"contiguous"``
+            ``[q|k|v]``, ``"interleaved"`` ``(H, 3, d)``, ``"grouped"`` ``(H_kv, H/H_kv + 2, d)`` or
+            ``"multi_query"`` ``[q | k (d) | v (d)]``.
+        kv_map: ``"block"`` (query head ``h`` reads key/value head ``h // (H/H_kv)``) or
+            ``"modulo"`` (``h % H_kv``).
+    """
+
+    modules: str | Callable[[str, nn.Module], bool]
+    query: Ref | None = None
+    key: Ref | None = None
+    value: Ref | None = None
+    output: Ref | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    output_module: str | None = None
+    mask_key: str | None = "auto"
+    family: str = "spec"
+    qkv: Ref | None = None
+    qkv_layout: Packing | None = None
+    kv_map: Literal["block", "modulo"] = "block"
+    _pattern: re.Pattern | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.modules, str):
+            try:
+                object.__setattr__(self, "_pattern", re.compile(self.modules))
+            except re.error as exc:
+                raise ValueError(f"AttentionSpec.modules is not a valid regex: {self.modules!r} ({exc})") from exc
+        elif not callable(self.modules):
+            raise TypeError(
+                "AttentionSpec.modules must be a regex string or a predicate (name, module) -> bool, "
+                f"got {type(self.modules).__name__}"
+            )
+        separate = [p for p in ("query", "key", "value") if getattr(self, p) is not None]
+        if self.qkv is not None:
+            if separate:
+                raise ValueError(f"AttentionSpec: give either qkv or query/key/value, not both (got qkv and {separate})")
+            if self.qkv_layout not in PACKINGS:
+                raise ValueError(
+                    f"AttentionSpec.qkv needs qkv_layout, one of {PACKINGS} (got {self.qkv_layout!r}): the row "
+                    "layout of a fused projection cannot be told from its shape"
+                )
+        elif len(separate) != 3:
+            missing = [p for p in ("query", "key", "value") if getattr(self, p) is None]
+            raise ValueError(f"AttentionSpec: {missing} missing; give query, key and value, or qkv with qkv_layout")
+        elif self.qkv_layout is not None:
+            raise ValueError("AttentionSpec.qkv_layout is only meaningful with qkv")
+        if self.output is None:
+            raise ValueError("AttentionSpec.output is required (the out-projection)")
+        for proj in ("query", "key", "value", "output", "qkv"):
+            ref = getattr(self, proj)
+            if ref is not None and not (isinstance(ref, str) or callable(ref)):
+                raise TypeError(
+                    f"AttentionSpec.{proj} must be an attribute path (str) or a callable module -> Tensor, "
+                    f"got {type(ref).__name__}"
+                )
+        for label in ("num_heads", "num_kv_heads", "head_dim"):
+            _positive(label, getattr(self, label))
+        if self.num_heads is not None and self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"AttentionSpec: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.kv_map not in ("block", "modulo"):
+            raise ValueError(f"AttentionSpec.kv_map must be 'block' or 'modulo', got {self.kv_map!r}")
+        if self.mask_key is not None and not isinstance(self.mask_key, str):
+            raise TypeError(f"AttentionSpec.mask_key must be a string, 'auto' or None, got {type(self.mask_key).__name__}")
+
+    def matches(self, name: str, module: nn.Module) -> bool:
+        """Whether the module called ``name`` is an attention layer under this spec."""
+        if self._pattern is not None:
+            return self._pattern.fullmatch(name) is not None
+        return bool(self.modules(name, module))  # type: ignore[operator]
+
+    def _source(self, name: str, module: nn.Module, projection: str) -> WeightSource:
+        ref = getattr(self, projection)
+        if callable(ref) and not isinstance(ref, str):
+            return lambda: _as_tensor(ref(module), name, projection)
+        try:
+            obj = _resolve(module, ref)
+        except AttributeError as exc:
+            raise ValueError(
+                f"{name}: AttentionSpec.{projection}={ref!r} does not resolve: {type(module).__name__} has no "
+                f"attribute {exc.args[0]!r}"
+            ) from None
+        if is_projection(obj):
+            return lambda: linear_weight(_resolve(module, ref))
+        if isinstance(obj, nn.Module):
+            return lambda: _as_tensor(_resolve(module, ref).weight, name, projection)
+        return lambda: _as_tensor(_resolve(module, ref), name, projection)
+
+    def build(self, name: str, module: nn.Module, root_config: Any = None) -> AttentionLayer:
+        """Build the `AttentionLayer` for one matched module, validating all shapes."""
+        out_src = self._source(name, module, "output")
+        out_shape = tuple(out_src().shape)
+        if len(out_shape) != 2:
+            raise ValueError(f"{name}: output weight must be 2-D (nn.Linear layout), got shape {out_shape}")
+        given = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        sources: dict[str, WeightSource]
+        try:
+            if self.qkv is not None:
+                fused = self._source(name, module, "qkv")
+                rows = fused().shape
+                if len(rows) != 2:
+                    raise ValueError(f"{name}: qkv weight must be 2-D (nn.Linear layout), got shape {tuple(rows)}")
+                heads, kv, d = resolve_heads(
+                    name, module, inner=out_shape[1], fused_rows=rows[0], packing=self.qkv_layout,
+                    root_config=root_config, **given,
+                )
+                layout = self.qkv_layout
+
+                def part(i: int) -> WeightSource:
+                    return lambda: split_fused(fused(), layout, heads, kv, d)[i]  # type: ignore[arg-type]
+
+                sources = {"query": part(0), "key": part(1), "value": part(2)}
+            else:
+                sources = {p: self._source(name, module, p) for p in ("query", "key", "value")}
+                tensors = {p: sources[p]() for p in sources}
+                for p, t in tensors.items():
+                    if t.ndim != 2:
+                        raise ValueError(f"{name}: {p} weight must be 2-D (nn.Linear layout), got shape {tuple(t.shape)}")
+                if tensors["key"].shape[0] != tensors["value"].shape[0]:
+                    raise ValueError(
+                        f"{name}: key weight has {tensors['key'].shape[0]} rows and value {tensors['value'].shape[0]}; "
+                        "they must split into the same key/value heads"
+                    )
+                heads, kv, d = resolve_heads(
+                    name, module, inner=out_shape[1], kv_rows=tensors["key"].shape[0], root_config=root_config,
+                    **given,
+                )
+                if tensors["query"].shape[0] != heads * d:
+                    raise ValueError(
+                        f"{name}: query weight has {tensors['query'].shape[0]} output features (rows), which does not "
+                        f"split into {heads} heads of head_dim {d} (= {heads * d}); weights must be in nn.Linear "
+                        "(out, in) layout"
+                    )
+                self._warn_if_packed(name, tensors)
+        except ValueError as exc:  # AdapterMismatch included: a spec's mismatch is the user's error
+            raise ValueError(f"{exc} (AttentionSpec(modules={self.modules!r}))") from None
+        sources["output"] = out_src
+        out_mod = self._output_module(name, module)
+        key = default_mask_key(name, module, root_config) if self.mask_key == "auto" else self.mask_key
+        return AttentionLayer(
+            name,
+            module,
+            family=self.family,
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=d,
+            model_dim=out_shape[0],
+            weights=sources,
+            output_module=out_mod,
+            mask_key=key,
+            kv_map=self.kv_map,
+        )
+
+    def _warn_if_packed(self, name: str, tensors: dict[str, Tensor]) -> None:
+        """Slices of one fused weight given as query/key/value: their layout cannot be checked."""
+        ptrs = set()
+        for t in tensors.values():
+            try:
+                ptrs.add(t.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # e.g. DTensor / meta
+                return
+        if len(ptrs) == 1:
+            warnings.warn(
+                f"hdi_monitor: {name}: AttentionSpec query, key and value are slices of one fused weight; whether "
+                "the slices are the heads the module uses cannot be checked (GPT-NeoX, Bloom and GPTBigCode "
+                "interleave heads as (H, 3, d)). Prefer AttentionSpec(qkv=..., qkv_layout=...), which says the layout",
+                UserWarning,
+                stacklevel=4,
+            )
+
+    def _output_module(self, name: str, module: nn.Module) -> nn.Module | None:
+        out_path = self.output_module
+        if out_path is None:
+            if isinstance(self.output, str):
+                target = _resolve(module, self.output)
+                return target if isinstance(target, nn.Module) else None
+            return None
+        try:
+            out_mod = _resolve(module, out_path)
+        except AttributeError as exc:
+            raise ValueError(
+                f"{name}: AttentionSpec.output_module={out_path!r} does not resolve: no attribute {exc.args[0]!r}"
+            ) from None
+        if not isinstance(out_mod, nn.Module):
+            raise ValueError(f"{name}: AttentionSpec.output_module={out_path!r} is not an nn.Module")
+        return out_mod
+
+
+def as_specs(spec: AttentionSpec | Sequence[AttentionSpec] | None) -> tuple[AttentionSpec, ...]:
+    """``spec=`` as a tuple of specs (one spec, a list or tuple of specs, or None).
+
+    Raises:
+        TypeError: anything else (a string such as ``"bert"`` included).
+    """
+    if spec is None:
+        return ()
+    if isinstance(spec, AttentionSpec):
+        return (spec,)
+    if isinstance(spec, (list, tuple)) and all(isinstance(s, AttentionSpec) for s in spec):
+        return tuple(spec)
+    raise TypeError(
+        f"spec must be an AttentionSpec, a list of AttentionSpec or None, got {type(spec).__name__}"
+    )
+

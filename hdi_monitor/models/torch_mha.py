@@ -1,0 +1,230 @@
+"""``torch.nn.MultiheadAttention``, alone or inside ``nn.TransformerEncoderLayer`` / ``DecoderLayer``.
+
+Weights: packed ``in_proj_weight`` ``(3E, E)`` (rows ``[0:E]`` query, ``[E:2E]`` key, ``[2E:3E]``
+value) or, when ``kdim``/``vdim`` differ from ``embed_dim``, separate ``q_proj_weight`` ``(E, E)``,
+``k_proj_weight`` ``(E, kdim)``, ``v_proj_weight`` ``(E, vdim)``; ``out_proj.weight`` ``(E, E)``.
+Transformer layers hold their attention as ``self_attn`` (and ``multihead_attn`` for the decoder's
+cross-attention); the MHA modules themselves are reported, once each, under their qualified names.
+
+Head outputs: ``nn.MultiheadAttention`` calls ``F.linear`` on ``out_proj``'s weight directly, so a
+hook on ``out_proj`` never fires (pytorch #78109). The output hook therefore captures the MHA
+forward's inputs and recomputes the per-head outputs for that batch under ``no_grad`` (attention
+dropout is not applied: the statistics describe the dropout-free outputs). While any such hook is
+attached the MHA "fast path" (``torch.backends.mha``) is switched off, because the fused kernels of
+``nn.TransformerEncoder`` bypass the MHA module's forward and would never run the hook.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from hdi_monitor.models.base import Adapter, AttentionLayer, ErrorHandler, HookHandle, OutputHook, full_weight, guarded
+
+__all__ = ["ADAPTER", "MHALayer", "mha_head_outputs"]
+
+_MHA_ARGS = (
+    "query",
+    "key",
+    "value",
+    "key_padding_mask",
+    "need_weights",
+    "attn_mask",
+    "average_attn_weights",
+    "is_causal",
+)
+
+_fastpath_lock = threading.Lock()
+_fastpath_holds = 0
+_fastpath_saved: bool | None = None
+
+
+def _hold_fastpath_off() -> None:
+    global _fastpath_holds, _fastpath_saved
+    with _fastpath_lock:
+        if _fastpath_holds == 0:
+            _fastpath_saved = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
+        _fastpath_holds += 1
+
+
+def _release_fastpath() -> None:
+    global _fastpath_holds, _fastpath_saved
+    with _fastpath_lock:
+        _fastpath_holds -= 1
+        if _fastpath_holds == 0 and _fastpath_saved is not None:
+            torch.backends.mha.set_fastpath_enabled(_fastpath_saved)
+            _fastpath_saved = None
+
+
+def _qkv_weights(mha: nn.MultiheadAttention) -> tuple[Tensor, Tensor, Tensor]:
+    """Gathered ``(E, E)``, ``(E, kdim)``, ``(E, vdim)`` input-projection weights."""
+    if mha._qkv_same_embed_dim:
+        w = full_weight(mha.in_proj_weight)
+        e = mha.embed_dim
+        return w[:e], w[e : 2 * e], w[2 * e :]
+    return full_weight(mha.q_proj_weight), full_weight(mha.k_proj_weight), full_weight(mha.v_proj_weight)
+
+
+def _qkv_biases(mha: nn.MultiheadAttention) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    if mha.in_proj_bias is None:
+        return None, None, None
+    b = full_weight(mha.in_proj_bias)
+    e = mha.embed_dim
+    return b[:e], b[e : 2 * e], b[2 * e :]
+
+
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool mask (True = masked out) or a float mask as an additive float mask."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def _keep_from_padding(key_padding_mask: Tensor) -> Tensor:
+    """``key_padding_mask`` (True or -inf = padding) as a bool keep mask (True = real token)."""
+    if key_padding_mask.dtype == torch.bool:
+        return ~key_padding_mask
+    return ~torch.isneginf(key_padding_mask)
+
+
+def mha_head_outputs(
+    mha: nn.MultiheadAttention,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_padding_mask: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,  # noqa: ARG001 - accepted for signature parity with the module
+) -> Tensor:
+    """Recompute the concatenated per-head outputs of an ``nn.MultiheadAttention`` call.
+
+    Takes the module's forward arguments (same layouts: ``batch_first`` or not, batched or not) and
+    returns ``o`` laid out like the module's ``attn_output`` but before ``out_proj``:
+    ``o[..., h*d:(h+1)*d]`` is head ``h``. Follows ``F.multi_head_attention_forward`` (``bias_k``/
+    ``bias_v``, ``add_zero_attn``, bool or float masks, 2-D or 3-D ``attn_mask``) without dropout.
+    ``is_causal`` is only a hint: ``nn.MultiheadAttention`` requires the causal ``attn_mask`` with it,
+    and that mask is what is applied. Computed in float32 at least.
+    """
+    heads, e = mha.num_heads, mha.embed_dim
+    batched = query.dim() == 3
+    if not batched:
+        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+    elif not mha.batch_first:
+        query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+    # now (B, L, E), (B, S, kdim), (B, S, vdim)
+    dtype = query.dtype if query.dtype in (torch.float32, torch.float64) else torch.float32
+    wq, wk, wv = (w.to(dtype) for w in _qkv_weights(mha))
+    bq, bk, bv = (None if b is None else b.to(dtype) for b in _qkv_biases(mha))
+    q = F.linear(query.to(dtype), wq, bq)
+    k = F.linear(key.to(dtype), wk, bk)
+    v = F.linear(value.to(dtype), wv, bv)
+    b = q.shape[0]
+    if mha.bias_k is not None and mha.bias_v is not None:
+        k = torch.cat([k, mha.bias_k.detach().to(dtype).expand(b, 1, e)], dim=1)
+        v = torch.cat([v, mha.bias_v.detach().to(dtype).expand(b, 1, e)], dim=1)
+        attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+        key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
+    q, k, v = (rearrange(t, "b s (h d) -> b h s d", h=heads) for t in (q, k, v))
+    if mha.add_zero_attn:
+        zeros = k.new_zeros((b, heads, 1, k.shape[-1]))
+        k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)
+        attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+        key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
+    mask: Tensor | None = None
+    if attn_mask is not None:
+        mask = _additive(attn_mask, dtype)
+        mask = rearrange(mask, "(b h) l s -> b h l s", h=heads) if mask.dim() == 3 else mask[None, None]
+    if key_padding_mask is not None:
+        pad = _additive(key_padding_mask, dtype)[:, None, None, :]
+        mask = pad if mask is None else mask + pad
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    o = rearrange(o, "b h l d -> b l (h d)")
+    if not batched:
+        return o[0]
+    return o if mha.batch_first else o.transpose(0, 1)
+
+
+class MHALayer(AttentionLayer):
+    """An ``nn.MultiheadAttention``; its output hook recomputes head outputs from the forward inputs."""
+
+    def attach_output_hook(self, fn: OutputHook, on_error: ErrorHandler | None = None) -> HookHandle:
+        """Call ``fn(o, keep_mask)`` on every forward of the MHA while attached.
+
+        ``o`` is recomputed from the call's inputs (see `mha_head_outputs`). For self-attention
+        calls (``query is key``) with a ``key_padding_mask``, ``keep_mask = ~key_padding_mask`` (float
+        masks: entries that are not -inf), laid out like ``o.shape[:-1]``; otherwise None (for
+        cross-attention the padding mask describes the keys, not the query tokens).
+        """
+        mha = self.module
+        assert isinstance(mha, nn.MultiheadAttention)
+
+        def pre_hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            call = dict(zip(_MHA_ARGS, args))
+            call.update(kwargs)
+            query, key, value = call["query"], call["key"], call["value"]
+            kpm = call.get("key_padding_mask")
+            with torch.no_grad():
+                o = mha_head_outputs(
+                    mha,
+                    query,
+                    key,
+                    value,
+                    key_padding_mask=kpm,
+                    attn_mask=call.get("attn_mask"),
+                    is_causal=bool(call.get("is_causal", False)),
+                )
+                keep = None
+                if kpm is not None and query is key:
+                    keep = _keep_from_padding(kpm)
+                    if query.dim() == 3 and not mha.batch_first:
+                        keep = keep.transpose(0, 1)
+            fn(o, keep)
+
+        handle = mha.register_forward_pre_hook(guarded(pre_hook, on_error), with_kwargs=True)
+        _hold_fastpath_off()
+        return HookHandle(handle, on_remove=_release_fastpath)
+
+
+def _match(name: str, module: nn.Module) -> bool:
+    return isinstance(module, nn.MultiheadAttention)
+
+
+def _build(name: str, module: nn.Module) -> AttentionLayer:
+    assert isinstance(module, nn.MultiheadAttention)
+    mha = module
+
+    def q() -> Tensor:
+        return _qkv_weights(mha)[0]
+
+    def k() -> Tensor:
+        return _qkv_weights(mha)[1]
+
+    def v() -> Tensor:
+        return _qkv_weights(mha)[2]
+
+    return MHALayer(
+        name,
+        mha,
+        family="torch_mha",
+        num_heads=mha.num_heads,
+        num_kv_heads=mha.num_heads,
+        head_dim=mha.head_dim,
+        model_dim=mha.embed_dim,
+        weights={"query": q, "key": k, "value": v, "output": lambda: mha.out_proj.weight},
+        mask_key=None,
+    )
+
+
+ADAPTER = Adapter(
+    family="torch_mha",
+    classes="nn.MultiheadAttention (also inside nn.TransformerEncoderLayer / nn.TransformerDecoderLayer)",
+    match=_match,
+    build=_build,
+)

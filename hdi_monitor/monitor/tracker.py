@@ -1,0 +1,1088 @@
+"""Framework-free measurement driver.
+
+`HDITracker` decides when to measure, attaches head-output hooks only for a measured step,
+accumulates activation statistics, computes the per-layer report, feeds the early-warning
+detector, and writes to sinks. The Lightning callback (`hdi_monitor.integrations.lightning`) and the other
+integrations are thin shells over it.
+
+Two ways to drive it:
+
+* **Plain PyTorch loop** (the tracker counts optimizer steps itself)::
+
+      tracker = HDITracker(model, every_n_steps=100, writer=SummaryWriter("runs/x"))
+      for batch in loader:
+          with tracker.capture(batch):      # hooks on only if this step is measured
+              loss = model(**batch).loss
+          loss.backward()
+          tracker.step()                    # BEFORE optimizer.step(): finish, advance the step
+          optimizer.step(); optimizer.zero_grad()
+
+* **Explicit** (what the callbacks do): ``begin(step, batch)`` before the forward pass,
+  ``stop_capture()`` before backward, ``finish()`` after backward and before the optimizer step.
+
+``finish()`` must come before the optimizer changes the weights: the head-output covariance
+combines the captured head outputs with the output projection ``W_O`` read at that moment, and it
+must be the ``W_O`` that produced them (holding a copy of every layer's ``W_O`` instead would cost
+a full set of output weights of memory, and under FSDP would gather them all at once).
+
+A measured step ``s`` reports the weights that produced step ``s``'s forward pass (measured in
+``begin``, before the optimizer changes them) and the activations of that forward pass, so the HDI
+point at ``s`` sits beside the training loss of step ``s``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import copy
+import importlib.util
+import math
+import os
+import re
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hdi_monitor.exceptions import MonitoringWarning
+from hdi_monitor.functional._numerics import no_autocast
+from hdi_monitor.functional.covariance import (
+    HeadCovarianceAccumulator,
+    sync_accumulators,
+)
+from hdi_monitor.functional.diversity import WEIGHTINGS, pairwise_principal_angles
+from hdi_monitor.models import (
+    PROJECTIONS,
+    AttentionLayer,
+    AttentionSpec,
+    find_attention_layers,
+)
+from hdi_monitor.models.hooks import (
+    attach_output_hooks,
+    call_model,
+    eval_mode,
+    iter_batches,
+    output_accumulator,
+)
+from hdi_monitor.models.sharding import full_weights, gathers_weights, is_fsdp1_module
+from hdi_monitor.monitor.detector import (
+    DiversityEvent,
+    DiversityWarning,
+    SaturationDetector,
+)
+from hdi_monitor.monitor.render import heatmap
+from hdi_monitor.monitor.sinks import Sink, TensorBoardSink, custom_scalars_layout
+from hdi_monitor.report import DiversityReport, compute_report
+
+__all__ = [
+    "HDITracker",
+    "Measurement",
+    "MonitoringWarning",
+    "make_detectors",
+    "tracker_settings",
+    "fresh_settings",
+    "ACTIVATION_MIN_DELTA",
+    "ACTIVATION_COLLAPSE_DELTA",
+]
+
+#: Effective-heads series: a rise of less than this many heads is no improvement.
+ACTIVATION_MIN_DELTA = 0.05
+#: Effective-heads series: losing more than this many effective heads from the best is a collapse.
+ACTIVATION_COLLAPSE_DELTA = 1.0
+
+EventAction = str | Callable[[DiversityEvent], Any]
+
+
+@dataclass
+class Measurement:
+    """One measured step: the report, the scalars written, and the events raised."""
+
+    step: int
+    report: DiversityReport
+    scalars: dict[str, float]
+    events: list[DiversityEvent] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    step: int
+    report: DiversityReport
+    accumulators: list[HeadCovarianceAccumulator | None]
+    forward_expected: bool = True  # False for weight-only measurements (step() without capture())
+
+
+def _check_positive_int(name: str, value: Any, *, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+# ---------------------------------------------------------------- layer revalidation
+
+
+def _signature(module: nn.Module | None, path: str | None) -> tuple[Any, ...]:
+    """What must stay the same for a watched layer to be still valid: where it sits in the model,
+    the module object itself, its submodules and its parameters' shapes (a cheap check, no
+    rediscovery)."""
+    if module is None:
+        return (path, None, (), ())
+    subs = tuple((n, id(m)) for n, m in module.named_modules())
+    shapes = tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
+    return (path, id(module), subs, shapes)
+
+
+def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    module: Any = model
+    for part in path.split(".") if path else ():
+        module = getattr(module, "_modules", {}).get(part)
+        if module is None:
+            return None
+    return module
+
+
+def _heads(layer: AttentionLayer) -> str:
+    kv = f", {layer.num_kv_heads} key/value heads" if layer.num_kv_heads != layer.num_heads else ""
+    return f"{layer.num_heads} heads of width {layer.head_dim}{kv}"
+
+
+def _describe_change(old: AttentionLayer, new: AttentionLayer | None) -> str:
+    if new is None:
+        return f"{old.name}: no longer an attention layer of the model; it is not measured any more"
+    what = "module replaced" if new.module is not old.module else "parameters changed"
+    if (new.num_heads, new.num_kv_heads, new.head_dim) != (old.num_heads, old.num_kv_heads, old.head_dim):
+        return f"{old.name}: {what}, {_heads(old)} -> {_heads(new)}; measuring the new module from now on"
+    return f"{old.name}: {what} ({_heads(new)}); measuring the new module from now on"
+
+
+def _naming_hint(model: nn.Module, limit: int = 10) -> str:
+    names = [n for n, _ in model.named_modules() if n]
+    likely = [n for n in names if re.search(r"attn|attention", n, re.IGNORECASE)]
+    shown = (likely or names)[:limit]
+    more = ", ..." if len((likely or names)) > limit else ""
+    return (
+        f"\nModules of this model{' that look like attention' if likely else ''}: {', '.join(shown)}{more}. "
+        "Select layers with layers=<regex or list of these names>, or describe a layout the built-in families "
+        "do not know with spec=hdi_monitor.AttentionSpec(modules=..., query=..., key=..., value=..., output=..., "
+        "num_heads=...)."
+    )
+
+
+# ---------------------------------------------------------------- warnings
+
+
+_INTERNAL_PACKAGES = ("hdi_monitor", "torch", "lightning", "lightning_fabric", "pytorch_lightning", "transformers", "accelerate")
+_internal_prefixes: tuple[str, ...] | None = None
+
+
+def _internal() -> tuple[str, ...]:
+    global _internal_prefixes
+    if _internal_prefixes is None:
+        prefixes = [contextlib.__file__]
+        for name in _INTERNAL_PACKAGES:
+            with contextlib.suppress(Exception):
+                spec = importlib.util.find_spec(name)
+                for location in (spec.submodule_search_locations or []) if spec else []:
+                    prefixes.append(os.path.join(location, ""))
+        _internal_prefixes = tuple(prefixes)
+    return _internal_prefixes
+
+
+def _warn(message: str, category: type[Warning], *, rank_zero_only: bool = False) -> None:
+    """``warnings.warn`` attributed to the first frame outside hdi-monitor, torch, Lightning and
+    transformers (the user's ``trainer.fit`` or loop line). With ``rank_zero_only`` (for what every
+    rank sees alike: events, layer changes) only rank 0 warns under torch.distributed; a failure of
+    one rank is warned on that rank."""
+    import torch.distributed as dist
+
+    if rank_zero_only and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    internal = _internal()
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(internal):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+def summarize_events(step: int, events: Sequence[DiversityEvent]) -> str:
+    """One line for the events of one measured step, e.g. ``"hdi-monitor step 650: collapse in 3
+    layers, 2 redundant head pairs; ..."``; the full messages are in the Text tab and ``events``."""
+    parts = []
+    for kind in ("saturation", "collapse"):
+        layers = {e.layer for e in events if e.kind == kind}
+        if layers:
+            named = layers - {"mean"}
+            where = f"{len(named)} layer{'s' if len(named) != 1 else ''}" if named else ""
+            if "mean" in layers:
+                where = f"{where} and the model mean" if where else "the model mean"
+            parts.append(f"{kind} in {where}")
+    redundant = [e for e in events if e.kind == "redundancy"]
+    if redundant:
+        pairs = sum(len(e.pairs) for e in redundant)
+        layers = len({e.layer for e in redundant})
+        parts.append(f"{pairs} redundant head pair{'s' if pairs != 1 else ''} in {layers} layer{'s' if layers != 1 else ''}")
+    return (
+        f"hdi-monitor step {step}: {', '.join(parts)}; see the Text tab (diversity_events/*) or monitor.events "
+        "for the full messages"
+    )
+
+
+class HDITracker:
+    """Measure head diversity every ``every_n_steps`` optimizer steps.
+
+    Args:
+        model: the model to watch (any ``nn.Module``; attention layers are found by the adapters).
+        every_n_steps: measure at steps ``0, N, 2N, ...``. Nothing runs on the steps in between.
+        projections: which of ``"query"``, ``"key"``, ``"value"``, ``"output"`` to measure.
+        weighting: ``"spectral"`` (default) or ``"uniform"`` subspace overlap.
+        layers: keep only these layers (a regex on qualified names, or a list of names).
+        spec: an `AttentionSpec` for models no built-in adapter knows.
+        log_images_every_n_steps: heatmaps and angle histograms every this many steps (a multiple of
+            ``every_n_steps`` is sensible). Default ``10 * every_n_steps``; 0 turns pictures off.
+        activations: also capture the measured step's head outputs (covariance, effective heads).
+        max_tokens: at most this many tokens per layer per measured forward pass (random subsample).
+        writer: a ``SummaryWriter``; shorthand for ``sinks=[TensorBoardSink(writer)]``.
+        sinks: where results go (see `hdi_monitor.monitor.sinks`).
+        detector: early-warning detector for the HDI series; None turns those warnings off.
+        activation_detector: early-warning detector for the effective-heads series (thresholds in
+            heads) and for redundant head pairs by output correlation; None turns them off.
+        on_saturation: ``"warn"`` (a `DiversityWarning` per event), ``"stop"`` (warn, and set
+            `stop_requested` on saturation or collapse), or a callable receiving each event.
+        strict: raise internal errors instead of turning them into warnings (for tests).
+        seed: seed of the tracker's own ``torch.Generator``, which draws the token subsample
+            (``max_tokens``). The global random generators are never used, so adding the tracker
+            changes no dropout mask; the generator's state is saved in `state_dict`, so a
+            resumed run subsamples the same tokens as an uninterrupted one.
+        fsdp_root: for FSDP1 (``FullyShardedDataParallel``) models, the root FSDP module, when
+            ``model`` is not that root itself (it defaults to ``model`` when ``model`` is an FSDP1
+            module). Weights are then read one FSDP unit at a time (see
+            `full_weights`). The Lightning callback sets it to
+            ``trainer.strategy.model``. Can also be set later through the attribute.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        every_n_steps: int = 100,
+        projections: Sequence[str] = PROJECTIONS,
+        weighting: str = "spectral",
+        layers: str | Sequence[str] | None = None,
+        spec: AttentionSpec | None = None,
+        log_images_every_n_steps: int | None = None,
+        activations: bool = True,
+        max_tokens: int | None = 4096,
+        writer: Any = None,
+        sinks: Sequence[Sink] = (),
+        detector: SaturationDetector | None = None,
+        activation_detector: SaturationDetector | None = None,
+        on_saturation: EventAction = "warn",
+        strict: bool = False,
+        seed: int = 0,
+        fsdp_root: nn.Module | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if fsdp_root is not None and not isinstance(fsdp_root, nn.Module):
+            raise TypeError(f"fsdp_root must be a torch.nn.Module or None, got {type(fsdp_root).__name__}")
+        validate_settings(
+            every_n_steps=every_n_steps,
+            projections=projections,
+            weighting=weighting,
+            layers=layers,
+            spec=spec,
+            log_images_every_n_steps=log_images_every_n_steps,
+            activations=activations,
+            max_tokens=max_tokens,
+            on_saturation=on_saturation,
+            strict=strict,
+            seed=seed,
+        )
+        for name, value in (("detector", detector), ("activation_detector", activation_detector)):
+            if value is not None and not isinstance(value, SaturationDetector):
+                raise TypeError(f"{name} must be a SaturationDetector or None, got {type(value).__name__}")
+        if isinstance(sinks, (str, bytes)) or not isinstance(sinks, Sequence):
+            raise TypeError(f"sinks must be a sequence of sinks, got {type(sinks).__name__}")
+        for sink in sinks:
+            if not isinstance(sink, Sink):
+                raise TypeError(
+                    f"every sink needs log_scalars, log_images, log_histograms, log_text, log_layout and flush; "
+                    f"got {type(sink).__name__}"
+                )
+        self.model = model
+        self.every_n_steps = every_n_steps
+        self.projections = tuple(projections)
+        self.weighting = weighting
+        self.layer_filter = layers
+        self.spec = spec
+        self.log_images_every_n_steps = (
+            10 * every_n_steps if log_images_every_n_steps is None else log_images_every_n_steps
+        )
+        self.activations = activations
+        self.max_tokens = max_tokens
+        self.seed = seed
+        # private RNG for the token subsample: the global generators are never drawn from
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.sinks: list[Sink] = list(sinks)
+        if writer is not None:
+            self.sinks.append(TensorBoardSink(writer))
+        self.detector = detector
+        self.activation_detector = activation_detector
+        self.on_saturation = on_saturation
+        self.strict = strict
+        if fsdp_root is None and is_fsdp1_module(model):
+            fsdp_root = model
+        self.fsdp_root: nn.Module | None = fsdp_root
+
+        self.history: list[dict[str, float]] = []
+        self.events: list[DiversityEvent] = []
+        self.last_measurement: Measurement | None = None
+        self.last_token_counts: list[int] = []  # tokens per layer in the last measurement (after sync)
+        self.stop_requested = False
+        self.disabled = False
+        self._layers: list[AttentionLayer] | None = None
+        self._signatures: list[tuple[Any, ...]] = []  # per layer: (path, module, parameter shapes)
+        self._notes: list[str] = []  # MonitoringWarning lines of the measurement under way (one warning)
+        self._invalid_seen: set[tuple[str, str]] = set()  # (layer, projection) already warned about
+        self._failed_sinks: set[int] = set()  # id() of sinks that failed once (warned once)
+        self._pending: _Pending | None = None
+        self._scheduled: int | None = None  # step of the measurement under way (set even if it failed)
+        self._handles: list[Any] = []
+        self._last_step = -1
+        self._step = 0  # own step counter for step()/capture()
+        self._layout_logged = False
+
+    # ------------------------------------------------------------------ public driving API
+    @property
+    def layers(self) -> list[AttentionLayer]:
+        """The attention layers being watched (found on first use, see `setup`)."""
+        if self._layers is None:
+            self.setup()
+        assert self._layers is not None
+        return self._layers
+
+    def setup(self) -> list[AttentionLayer]:
+        """Find the attention layers now; call before training (the integrations do).
+
+        Raises:
+            ValueError: no attention layer was found, or the ``layers`` filter matches none; the
+                message names the model's modules and says how to pass ``layers`` or ``spec``.
+            TypeError: ``layers`` or ``spec`` has the wrong type.
+        """
+        try:
+            found = find_attention_layers(self.model, spec=self.spec, layers=self.layer_filter)
+        except ValueError as err:
+            raise ValueError(f"hdi-monitor cannot watch {type(self.model).__name__}: {err}{_naming_hint(self.model)}") from err
+        self._set_layers(found)
+        return found
+
+    def _set_layers(self, layers: list[AttentionLayer]) -> None:
+        paths = {id(m): n for n, m in self.model.named_modules()}
+        self._layers = layers
+        self._signatures = [_signature(la.module, paths.get(id(la.module))) for la in layers]
+
+    def _revalidate(self) -> list[AttentionLayer]:
+        """Check, cheaply, that every watched layer is still the module in the model with the same
+        parameter shapes; if not, rediscover once and note what changed (one MonitoringWarning)."""
+        layers = self.layers
+        stale = [
+            la for la, sig in zip(layers, self._signatures)
+            if sig[0] is None or _signature(_submodule(self.model, sig[0]), sig[0]) != sig
+        ]
+        if not stale:
+            return layers
+        try:
+            found = find_attention_layers(self.model, spec=self.spec, layers=self.layer_filter)
+        except ValueError as err:
+            names = ", ".join(la.name for la in stale)
+            raise ValueError(f"attention layer(s) {names} changed and the model no longer matches: {err}") from err
+        new = {la.name: la for la in found}
+        old = {la.name: la for la in layers}
+        for la in stale:
+            self._notes.append(_describe_change(la, new.get(la.name)))
+        for name in new.keys() - old.keys():
+            self._notes.append(f"{name}: new attention layer, measured from now on ({_heads(new[name])})")
+        self._set_layers(found)
+        return found
+
+    @property
+    def current_step(self) -> int:
+        """The step counter used by `capture` and `step`."""
+        return self._step
+
+    def should_measure(self, step: int) -> bool:
+        """True if ``step`` is a measured step not measured before (so resumed runs never repeat)."""
+        return not self.disabled and step % self.every_n_steps == 0 and step > self._last_step
+
+    def begin(self, step: int, batch: Any = None) -> bool:
+        """Start (or, for further micro-batches of the same step, continue) a measurement.
+
+        Measures the weights now, before the optimizer step, and attaches head-output hooks when
+        ``activations`` is on. Returns True if step ``step`` is being measured.
+        """
+        if self._scheduled == step:
+            # a further micro-batch of the step under way; a step whose measurement failed (a hook
+            # error, say) is never restarted: it stays skipped until finish()
+            if self._pending is None:
+                return False
+            with self._guard("capturing head outputs"):
+                self._attach(batch)
+            return True
+        if not self.should_measure(step):
+            return False
+        self._scheduled = step
+        return self._start(step, batch)
+
+    @property
+    def measuring(self) -> bool:
+        """True between `begin` of a measured step and `finish`, even if this rank's
+        measurement failed (so that every rank still takes part in `finish`)."""
+        return self._scheduled is not None or self._pending is not None
+
+    def _start(self, step: int, batch: Any) -> bool:
+        self.stop_capture()
+        self._pending = None  # an unfinished earlier measurement (e.g. after an exception) is dropped
+        self._notes = []
+        if self._layers is None:
+            self.setup()  # a model the monitor cannot watch fails here, before its first step
+        with self._guard("measuring weights"), no_autocast():
+            layers = self._revalidate()
+            report = compute_report(
+                layers, projections=self.projections, weighting=self.weighting, fsdp_root=self.fsdp_root
+            )
+            accs: list[HeadCovarianceAccumulator | None] = [None] * len(layers)
+            if self.activations:
+                accs = [output_accumulator(la, max_tokens=self.max_tokens, generator=self.generator) for la in layers]
+            self._pending = _Pending(step=step, report=report, accumulators=accs)
+            self._attach(batch)
+            return True
+        return False
+
+    def stop_capture(self) -> None:
+        """Remove every hook (idempotent). Call before backward so recomputed forwards are not counted."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+    def finish(self) -> Measurement | None:
+        """Finish the pending measurement: compute, warn, write to the sinks. None if nothing was pending.
+
+        Under ``torch.distributed`` this is a collective: call it on every rank at the same steps.
+        The ranks first agree that all of them hold the measurement (one tiny ``all_reduce``);
+        then, with activations, every accumulator is summed over the ranks.
+        """
+        self.stop_capture()
+        if not self.measuring:
+            return None  # not a measured step: no collective, no host sync
+        pending, self._pending = self._pending, None
+        self._scheduled = None
+        if not _all_ranks_agree(pending is not None):
+            # some rank failed earlier in this measurement: every rank drops it, so none waits
+            # in a collective that the others never reach
+            return None
+        # Phase 1 runs every collective (accumulator sums, FSDP gathers) in the same order on every
+        # rank; a local failure is recorded, not raised, so the ranks stay in step. Then the ranks
+        # agree, and phase 2 (scalars, detector, sinks: no collective) runs only if all succeeded.
+        errors: list[Exception] = []
+        with no_autocast():
+            self._gather_statistics(pending, errors)
+            pictures = self._pictures(pending, errors)
+        if not _all_ranks_agree(not errors):
+            self._skip(errors[0] if errors else None, "computing the measurement")
+            return None
+        with self._guard("writing the measurement"):
+            return self._publish(pending, pictures)
+        return None
+
+    @contextlib.contextmanager
+    def capture(self, batch: Any = None) -> Iterator[bool]:
+        """Context manager around the forward pass of the current step (plain loops).
+
+        Yields True if this step is measured. Hooks are removed on exit, also on exceptions.
+        """
+        measured = self.begin(self._step, batch)
+        try:
+            yield measured
+        finally:
+            self.stop_capture()
+
+    def step(self) -> Measurement | None:
+        """Call once per optimizer step in a plain loop, after ``backward()`` and before ``optimizer.step()``.
+
+        Finishes the current step's measurement (weights only if `capture` was not used) and
+        advances the step counter. Returns the measurement of the step just finished, if any.
+        Called after ``optimizer.step()`` instead, the HDI points are still right (weights are read
+        in `capture`), but the effective heads mix the new ``W_O`` with the old head outputs.
+        """
+        if self._scheduled != self._step:
+            self.begin(self._step)  # weights-only measurement when capture() was not used
+            if self._pending is not None:
+                self._pending.forward_expected = False
+        result = self.finish()
+        self._step += 1
+        return result
+
+    def measure(self, inputs: Any = None, *, step: int | None = None) -> Measurement | None:
+        """Measure now, whatever the schedule; with ``inputs`` (a batch or an iterable of batches)
+        and ``activations`` on, run them through the model to collect head-output statistics."""
+        step = self._step if step is None else step
+        self._scheduled = step
+        if self._start(step, None) and inputs is not None and self.activations:
+            # like head_diversity(inputs=...): eval mode (no dropout), restored afterwards
+            with self._guard("running inputs through the model"), torch.no_grad(), eval_mode(self.model):
+                for batch in iter_batches(inputs):
+                    self.stop_capture()
+                    self._attach(batch)
+                    call_model(self.model, batch)
+        return self.finish()
+
+    def close(self) -> None:
+        """Remove hooks and drop any unfinished measurement; flush the sinks."""
+        self.stop_capture()
+        self._pending = None
+        self._scheduled = None
+        for sink in self.sinks:
+            with self._guard("flushing a sink"):
+                sink.flush()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """History, last measured step, detector state and the subsample generator's state (plain
+        Python types: JSON-ready, and loadable with ``torch.load(..., weights_only=True)``)."""
+        return {
+            "generator": base64.b64encode(self.generator.get_state().numpy().tobytes()).decode("ascii"),
+            "history": [dict(h) for h in self.history],
+            "last_step": self._last_step,
+            "step": self._step,
+            "events": [e.to_dict() for e in self.events],
+            "detector": self.detector.state_dict() if self.detector is not None else None,
+            "activation_detector": (
+                self.activation_detector.state_dict() if self.activation_detector is not None else None
+            ),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.history = [dict(h) for h in state.get("history", [])]
+        self._last_step = int(state.get("last_step", -1))
+        self._step = int(state.get("step", 0))
+        self.events = [DiversityEvent.from_dict(e) for e in state.get("events", [])]
+        if self.detector is not None and state.get("detector") is not None:
+            self.detector.load_state_dict(state["detector"])
+        if self.activation_detector is not None and state.get("activation_detector") is not None:
+            self.activation_detector.load_state_dict(state["activation_detector"])
+        if state.get("generator") is not None:
+            raw = base64.b64decode(state["generator"])
+            self.generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+    # ------------------------------------------------------------------ internals
+    @contextlib.contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception as err:
+            self.stop_capture()
+            self._pending = None
+            if self.strict:
+                raise
+            _warn(
+                f"hdi-monitor: error while {what}; training goes on, this measurement is skipped "
+                f"({type(err).__name__}: {err}). Pass strict=True to raise instead.",
+                MonitoringWarning,
+            )
+
+    def _attach(self, batch: Any) -> None:
+        pending = self._pending
+        if pending is not None and self.activations:
+            self._handles += attach_output_hooks(self.layers, pending.accumulators, batch, on_error=self._hook_failed)
+
+    def _hook_failed(self, err: Exception) -> None:
+        """A head-output hook raised inside the forward pass: drop this measurement (in ``finish``
+        every rank then agrees to drop it) and let the forward pass go on; hooks stay attached until
+        ``stop_capture`` (removing them inside a hook would change the dict being iterated)."""
+        if self.strict:
+            raise err
+        if self._pending is None:
+            return  # already dropped (and warned) by an earlier hook of this forward pass
+        self._pending = None
+        _warn(
+            f"hdi-monitor: error while capturing head outputs; training goes on, this measurement is skipped "
+            f"({type(err).__name__}: {err}). Pass strict=True to raise instead.",
+            MonitoringWarning,
+        )
+
+    def _gather_statistics(self, pending: _Pending, errors: list[Exception]) -> None:
+        """Sum the accumulators over the ranks, then compute each layer's head-output statistics."""
+        self.last_token_counts = []
+        if not self.activations:
+            return
+        accs = [(layer, acc, entry) for layer, acc, entry in zip(self.layers, pending.accumulators, pending.report.layers) if acc is not None]
+        sync_accumulators([acc for _, acc, _ in accs])  # collectives first: two for all layers
+        self.last_token_counts = [acc.num_tokens for _, acc, _ in accs]
+        for layer, acc, entry in accs:
+            with full_weights(layer, self.fsdp_root):  # the W_O of the forward pass, one layer at a time
+                w_out = layer.head_weights("output")  # a gather under FSDP2: on every rank
+                result = None
+                if not errors and acc.num_tokens >= 2:
+                    try:
+                        result = acc.compute()
+                    except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
+                        errors.append(err)
+                del w_out  # free the gathered weight before the next layer's
+            if result is None:
+                continue
+            entry.covariance = result.covariance.cpu()
+            entry.correlation = result.correlation.cpu()
+            entry.effective_heads = result.effective_heads
+            entry.mean_correlation = result.mean_correlation
+            entry.variance_ratio = result.variance_ratio
+            entry.num_tokens = result.num_tokens
+        # token counts are all-rank totals here, so every rank takes the same decision
+        if pending.forward_expected and 0 in self.last_token_counts and _is_compiled(self.model):
+            self._compile_fallback()
+
+    def _publish(self, pending: _Pending, pictures: tuple[dict[str, Tensor], dict[str, Tensor]]) -> Measurement:
+        """Scalars, early warnings, sinks and history for a finished measurement (rank-local)."""
+        report, step = pending.report, pending.step
+        scalars = self._scalars(report)
+        events = self._detect(step, report)
+        for event in events:
+            scalars[f"diversity_events/{event.kind}"] = scalars.get(f"diversity_events/{event.kind}", 0.0) + 1.0
+        measurement = Measurement(step=step, report=report, scalars=scalars, events=events)
+        # results first, so that no sink can lose them; then the warnings; then the sinks, each alone
+        self.history.append({"step": float(step), **scalars})
+        self.events.extend(events)
+        self.last_measurement = measurement
+        self._last_step = max(self._last_step, step)
+        self._note_invalid_heads(report)
+        notes, self._notes = self._notes, []
+        if notes:
+            lines = "\n  ".join(notes)
+            _warn(
+                f"hdi-monitor step {step}: {len(notes)} change(s) in the watched layers:\n  {lines}",
+                MonitoringWarning,
+                rank_zero_only=True,
+            )
+        self._dispatch(step, events)
+        self._write(measurement, *pictures)
+        return measurement
+
+    def _note_invalid_heads(self, report: DiversityReport) -> None:
+        """One note the first time a layer and projection has dead (all-zero) or non-finite heads."""
+        for layer in report.layers:
+            for projection in self.projections:
+                bad = layer.invalid_heads.get(projection) or []
+                if bad and (layer.name, projection) not in self._invalid_seen:
+                    self._invalid_seen.add((layer.name, projection))
+                    total = layer.num_kv_heads if projection in ("key", "value") else layer.num_heads
+                    valid = total - len(bad)
+                    self._notes.append(
+                        f"{layer.name} ({projection}): head(s) {bad} are dead (all zero) or non-finite; "
+                        f"its HDI is over the {valid} valid head(s) of {total} "
+                        f"(scalar invalid_heads/{projection}/{layer.name})"
+                    )
+
+    def _skip(self, err: Exception | None, what: str) -> None:
+        """Drop a measurement that failed on this rank (``err``: warn, or raise when strict) or on
+        another rank (None: that rank warns; this one drops it quietly, as when ``begin`` failed)."""
+        if err is None:
+            return
+        if self.strict:
+            raise err
+        reason = f"{type(err).__name__}: {err}"
+        _warn(
+            f"hdi-monitor: error while {what}; training goes on, this measurement is skipped ({reason}). "
+            "Pass strict=True to raise instead.",
+            MonitoringWarning,
+        )
+
+    def _compile_fallback(self) -> None:
+        """Hooks did not run inside a torch.compile'd forward: warn once, go on with weights only."""
+        missed = [la.name for la, n in zip(self.layers, self.last_token_counts) if n == 0]
+        shown = ", ".join(missed[:3]) + (", ..." if len(missed) > 3 else "")
+        self.activations = False
+        _warn(
+            f"hdi-monitor: the model runs under torch.compile and the head-output hooks of {len(missed)} "
+            f"layer(s) ({shown}) did not run inside the compiled forward (Dynamo does not see hooks attached "
+            "after compilation). Activation statistics (covariance, effective heads) are off from now on; the "
+            "weight-based HDI is unaffected. Pass activations=False to silence this warning.",
+            MonitoringWarning,
+            rank_zero_only=True,
+        )
+
+    def _scalars(self, report: DiversityReport) -> dict[str, float]:
+        scalars: dict[str, float] = {}
+        for projection in self.projections:
+            chance, cap = [], []
+            for layer in report.layers:
+                # on every measured step, so a dead or NaN head is never silent (0 when none)
+                scalars[f"invalid_heads/{projection}/{layer.name}"] = float(len(layer.invalid_heads.get(projection) or []))
+                value = layer.hdi.get(projection)
+                if _finite(value):
+                    scalars[f"hdi/{projection}/{layer.name}"] = float(value)
+                    chance.append(layer.chance_hdi[projection])
+                    if layer.max_hdi.get(projection) is not None:
+                        cap.append(layer.max_hdi[projection])
+            mean = report.mean_hdi(projection)
+            if _finite(mean):
+                scalars[f"hdi/{projection}/mean"] = float(mean)
+            if chance:
+                scalars[f"hdi_chance/{projection}"] = float(sum(chance) / len(chance))
+            if cap:
+                scalars[f"hdi_max/{projection}"] = float(sum(cap) / len(cap))
+        if self.activations:
+            eff, corr = [], []
+            for layer in report.layers:
+                if _finite(layer.effective_heads):
+                    scalars[f"effective_heads/{layer.name}"] = float(layer.effective_heads)
+                    eff.append(float(layer.effective_heads))
+                if _finite(layer.mean_correlation):
+                    scalars[f"head_correlation/{layer.name}"] = float(layer.mean_correlation)
+                    corr.append(float(layer.mean_correlation))
+            if eff:
+                scalars["effective_heads/mean"] = sum(eff) / len(eff)
+            if corr:
+                scalars["head_correlation/mean"] = sum(corr) / len(corr)
+        return scalars
+
+    def _detect(self, step: int, report: DiversityReport) -> list[DiversityEvent]:
+        events: list[DiversityEvent] = []
+        if self.detector is not None:
+            for projection in self.projections:
+                chances = []
+                for layer in report.layers:
+                    value = layer.hdi.get(projection)
+                    if value is None:
+                        continue
+                    chance = layer.chance_hdi[projection]
+                    chances.append(chance)
+                    events += self.detector.update(
+                        step, layer.name, projection, value, chance=chance, pairwise=layer.overlap.get(projection)
+                    )
+                mean = report.mean_hdi(projection)
+                if mean is not None and chances:
+                    events += self.detector.update(step, "mean", projection, mean, chance=sum(chances) / len(chances))
+        if self.activation_detector is not None and self.activations:
+            for layer in report.layers:
+                if layer.effective_heads is None:
+                    continue
+                events += self.activation_detector.update(
+                    step,
+                    layer.name,
+                    "activations",
+                    layer.effective_heads,
+                    metric="effective_heads",
+                    pairwise=layer.correlation,
+                )
+        return events
+
+    def _pictures(self, pending: _Pending, errors: list[Exception]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Heatmaps and angle histograms, on image steps only."""
+        step, report = pending.step, pending.report
+        if not self.log_images_every_n_steps or step % self.log_images_every_n_steps:
+            return {}, {}
+        histograms = {f"principal_angles_deg/{p}": angles for p, angles in self._angles(errors).items()}
+        images: dict[str, Tensor] = {}
+        if errors:
+            return images, histograms
+        try:
+            for layer in report.layers:
+                for projection, overlap in layer.overlap.items():
+                    if overlap.shape[-1] >= 2:
+                        images[f"overlap/{projection}/{layer.name}"] = heatmap(overlap, vmin=0.0, vmax=1.0)
+                if layer.correlation is not None and layer.correlation.shape[-1] >= 2:
+                    images[f"correlation/{layer.name}"] = heatmap(layer.correlation, vmin=-1.0, vmax=1.0, cmap="RdBu_r")
+        except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
+            errors.append(err)
+        return images, histograms
+
+    def _angles(self, errors: list[Exception]) -> dict[str, Tensor]:
+        """Principal angles (degrees) of every head pair i < j of every layer, per projection;
+        batched over the layers of one shape.
+
+        Sharded layers (FSDP1 / FSDP2) are gathered once for all projections and reduced one layer
+        at a time, in the same order on every rank. Local failures go to ``errors`` (the gathers
+        still run, so the ranks stay in step)."""
+
+        def pair_angles(weights: list[Tensor]) -> Tensor | None:
+            if errors:
+                return None
+            try:
+                angles = pairwise_principal_angles(torch.stack(weights))  # (L, H, H, d)
+                h = angles.shape[1]
+                i, j = torch.triu_indices(h, h, offset=1, device=angles.device)
+                picked = angles[:, i, j].flatten()
+                return torch.rad2deg(picked[~torch.isnan(picked)]).float().cpu()
+            except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
+                errors.append(err)
+                return None
+
+        values: dict[str, list[Tensor | None]] = {p: [] for p in self.projections}
+        groups: dict[tuple, list[Tensor]] = {}
+        for layer in self.layers:
+            if gathers_weights(layer, self.fsdp_root):
+                with full_weights(layer, self.fsdp_root):
+                    for projection in self.projections:
+                        w = layer.head_weights(projection)  # a gather: on every rank
+                        if w.shape[0] >= 2:
+                            values[projection].append(pair_angles([w]))
+                        del w
+                continue
+            for projection in self.projections:
+                w = layer.head_weights(projection)
+                if w.shape[0] >= 2:
+                    groups.setdefault((projection, tuple(w.shape), w.dtype, w.device), []).append(w)
+        for key, weights in groups.items():
+            values[key[0]].append(pair_angles(weights))
+        return {p: torch.cat([v for v in vs if v is not None] or [torch.empty(0)]) for p, vs in values.items()}
+
+    def _write(self, m: Measurement, images: dict[str, Tensor], histograms: dict[str, Tensor]) -> None:
+        """Write to every sink, each guarded alone: a failing sink loses only its own write."""
+        if not self.sinks:
+            return
+        layout = None
+        if not self._layout_logged:
+            names = {p: [la.name for la in m.report.layers if la.hdi.get(p) is not None] for p in self.projections}
+            layout = custom_scalars_layout(names, activations=self.activations)
+            self._layout_logged = True
+        first_error: Exception | None = None
+        for sink in self.sinks:
+            try:
+                if layout is not None:
+                    sink.log_layout(layout)
+                sink.log_scalars(m.scalars, m.step)
+                if images:
+                    sink.log_images(images, m.step)
+                if histograms:
+                    sink.log_histograms(histograms, m.step)
+                for event in m.events:
+                    sink.log_text(f"diversity_events/{event.kind}", event.message, m.step)
+                sink.flush()
+            except Exception as err:  # noqa: BLE001 - one sink's failure must not cost the others
+                first_error = first_error or err
+                if id(sink) not in self._failed_sinks and not self.strict:
+                    self._failed_sinks.add(id(sink))
+                    _warn(
+                        f"hdi-monitor: sink {type(sink).__name__} failed at step {m.step} ({type(err).__name__}: {err}); "
+                        "its write is skipped, the other sinks, history and events are kept. Later failures of "
+                        "this sink are not reported again.",
+                        MonitoringWarning,
+                    )
+        if first_error is not None and self.strict:
+            raise first_error
+
+    def _dispatch(self, step: int, events: list[DiversityEvent]) -> None:
+        """The events of one measured step: a callable gets each one; otherwise at most one
+        DiversityWarning (the one message, or a summary) and the stop flag."""
+        if not events:
+            return
+        if callable(self.on_saturation):
+            for event in events:
+                self.on_saturation(event)
+            return
+        if self.on_saturation == "stop" and any(e.kind in ("saturation", "collapse") for e in events):
+            self.stop_requested = True
+        message = events[0].message if len(events) == 1 else summarize_events(step, events)
+        _warn(message, DiversityWarning, rank_zero_only=True)
+
+
+def make_detectors(
+    *,
+    early_warning: bool,
+    activations: bool,
+    patience: int,
+    min_delta: float,
+    warmup_steps: int,
+    mode: str,
+    collapse_delta: float,
+    redundancy_threshold: float,
+) -> tuple[SaturationDetector | None, SaturationDetector | None]:
+    """The HDI detector and the effective-heads detector that the integrations share.
+
+    Effective heads are counted in heads, so their detector takes its thresholds in heads
+    (`ACTIVATION_MIN_DELTA`, `ACTIVATION_COLLAPSE_DELTA`); everything else is shared.
+    """
+    if not early_warning:
+        return None, None
+    common = {"patience": patience, "warmup_steps": warmup_steps, "mode": mode, "redundancy_threshold": redundancy_threshold}
+    detector = SaturationDetector(min_delta=min_delta, collapse_delta=collapse_delta, **common)
+    activation_detector = None
+    if activations:
+        activation_detector = SaturationDetector(
+            min_delta=ACTIVATION_MIN_DELTA, collapse_delta=ACTIVATION_COLLAPSE_DELTA, **common
+        )
+    return detector, activation_detector
+
+
+def tracker_settings(
+    *,
+    every_n_steps: int,
+    projections: Sequence[str],
+    weighting: str,
+    layers: str | Sequence[str] | None,
+    spec: AttentionSpec | None,
+    log_images_every_n_steps: int | None,
+    activations: bool,
+    max_tokens: int | None,
+    early_warning: bool,
+    patience: int,
+    min_delta: float,
+    warmup_steps: int,
+    mode: str,
+    collapse_delta: float,
+    redundancy_threshold: float,
+    on_saturation: EventAction,
+    strict: bool,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Validate an integration's settings and turn them into `HDITracker` keyword arguments.
+
+    The Lightning and Hugging Face callbacks call this in ``__init__`` (so bad values fail early)
+    and later build their tracker as ``HDITracker(model, sinks=..., **settings)``.
+    """
+    validate_settings(
+        every_n_steps=every_n_steps,
+        projections=projections,
+        weighting=weighting,
+        layers=layers,
+        spec=spec,
+        log_images_every_n_steps=log_images_every_n_steps,
+        activations=activations,
+        max_tokens=max_tokens,
+        on_saturation=on_saturation,
+        strict=strict,
+        seed=seed,
+    )
+    _check_bool("early_warning", early_warning)
+    # built even with early_warning=False, so that bad detector settings fail here too
+    detector, activation_detector = make_detectors(
+        early_warning=True,
+        activations=activations,
+        patience=patience,
+        min_delta=min_delta,
+        warmup_steps=warmup_steps,
+        mode=mode,
+        collapse_delta=collapse_delta,
+        redundancy_threshold=redundancy_threshold,
+    )
+    if not early_warning:
+        detector = activation_detector = None
+    return {
+        "every_n_steps": every_n_steps,
+        "projections": tuple(projections),
+        "weighting": weighting,
+        "layers": layers,
+        "spec": spec,
+        "log_images_every_n_steps": log_images_every_n_steps,
+        "activations": activations,
+        "max_tokens": max_tokens,
+        "detector": detector,
+        "activation_detector": activation_detector,
+        "on_saturation": on_saturation,
+        "strict": strict,
+        "seed": seed,
+    }
+
+
+def fresh_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` from `tracker_settings` with detectors of their own (untouched copies), for a
+    new tracker: two trackers built from the same settings never share detector state."""
+    out = dict(settings)
+    for key in ("detector", "activation_detector"):
+        out[key] = copy.deepcopy(settings.get(key))
+    return out
+
+
+def validate_settings(
+    *,
+    every_n_steps: int,
+    projections: Sequence[str],
+    weighting: str,
+    layers: str | Sequence[str] | None = None,
+    spec: AttentionSpec | None = None,
+    log_images_every_n_steps: int | None,
+    activations: bool = True,
+    max_tokens: int | None,
+    on_saturation: EventAction,
+    strict: bool = False,
+    seed: int = 0,
+) -> None:
+    """Check the tracker's settings (the one place that does); the integrations call it through
+    `tracker_settings` in their ``__init__``, so every bad value fails there, before fit.
+    What needs the model (a layer found, a ``layers`` filter matching) is checked by
+    `HDITracker.setup`."""
+    _check_positive_int("every_n_steps", every_n_steps)
+    if isinstance(projections, str) or not isinstance(projections, Sequence) or not projections:
+        raise ValueError(f"projections must be a non-empty sequence drawn from {PROJECTIONS}, got {projections!r}")
+    unknown = [p for p in projections if p not in PROJECTIONS]
+    if unknown:
+        raise ValueError(f"unknown projection(s) {unknown}; choose from {PROJECTIONS}")
+    if len(set(projections)) != len(projections):
+        raise ValueError(f"projections has duplicates: {list(projections)}")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+    if log_images_every_n_steps is not None:
+        _check_positive_int("log_images_every_n_steps", log_images_every_n_steps, allow_zero=True)
+    if max_tokens is not None:
+        _check_positive_int("max_tokens", max_tokens)
+    if not callable(on_saturation) and on_saturation not in ("warn", "stop"):
+        raise ValueError(f"on_saturation must be 'warn', 'stop' or a callable, got {on_saturation!r}")
+    if isinstance(layers, str):
+        try:
+            re.compile(layers)
+        except re.error as exc:
+            raise ValueError(f"layers is not a valid regex: {layers!r} ({exc})") from exc
+    elif layers is not None:
+        if not isinstance(layers, Sequence) or not all(isinstance(n, str) for n in layers):
+            raise TypeError("layers must be a regex string or a sequence of qualified layer names")
+        if not layers:
+            raise ValueError("layers=[] selects no attention layer; give None to watch every layer")
+    if spec is not None and not isinstance(spec, AttentionSpec):
+        raise TypeError(
+            f"spec must be an AttentionSpec or None, got {type(spec).__name__} {spec!r}; families are found "
+            "without one, a spec describes a layout they do not know"
+        )
+    _check_bool("activations", activations)
+    _check_bool("strict", strict)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    """True if ``model`` or a submodule runs through torch.compile: a ``torch.compile(m)`` wrapper
+    (``OptimizedModule``), an in-place ``m.compile()``, or Lightning's compiled LightningModule."""
+    if getattr(model, "_compiler_ctx", None):
+        return True
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover - torch without Dynamo
+        return False
+    return any(
+        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()
+    )
+
+
+def _all_ranks_agree(flag: bool) -> bool:
+    """Logical AND of ``flag`` over all ranks (a collective); ``flag`` itself when not distributed."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return flag
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
