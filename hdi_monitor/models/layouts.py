@@ -143,15 +143,21 @@ def resolve_heads(
     cls = type(module).__name__
     if head_dim is not None and inner % head_dim == 0:
         heads = inner // head_dim
-        if num_heads is not None and num_heads != heads and where.get("head_dim"):
-            # a head_dim read from config may describe another width (e.g. a partial rotary dim)
+        from_config = where.get("head_dim", "").startswith(("config.", "model.config."))
+        if num_heads is not None and num_heads != heads and from_config:
+            # a head_dim read from config may describe another width (e.g. a partial rotary dim);
+            # a head_dim of the module itself is what its forward pass uses (also after pruning)
             if inner % num_heads:
                 raise AdapterMismatch(
                     f"{name}: {cls} has {inner} head-output features, which fit neither "
                     f"{num_heads} heads ({where.get('num_heads') or 'given'}) nor head_dim {head_dim}"
                 )
             heads, head_dim = num_heads, inner // num_heads
-        elif num_heads is not None and num_heads != heads:
+        elif num_heads is not None and num_heads != heads and not where.get("num_heads", "").startswith(
+            ("config.", "model.config.")
+        ):
+            # given, or an attribute of the module: a contradiction (a config count yields to the
+            # module's own head_dim and weights, e.g. after head pruning)
             raise AdapterMismatch(
                 f"{name}: {cls}: {num_heads} heads x head_dim {head_dim} != {inner} head-output features"
             )
