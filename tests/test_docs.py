@@ -57,6 +57,11 @@ class Block:
     options: dict | None  # None: no marker
 
     @property
+    def opts(self) -> dict:
+        """The marker's options ({} without a marker)."""
+        return self.options or {}
+
+    @property
     def where(self) -> str:
         return f"{self.page.relative_to(ROOT)}:{self.line}"
 
@@ -96,10 +101,14 @@ ALL_BLOCKS = [b for page in PAGES for b in extract_blocks(page)]
 
 def _runnable(page: Path, slow: bool) -> list[Block]:
     """The blocks of `page` that run: in the slow set all of a page with a slow block, else the fast ones."""
-    blocks = [b for b in ALL_BLOCKS if b.page == page and b.lang in RUN_LANGS and b.options is not None and "skip" not in b.options]
+    blocks = [
+        b
+        for b in ALL_BLOCKS
+        if b.page == page and b.lang in RUN_LANGS and b.options is not None and "skip" not in b.options
+    ]
     if slow:
-        return blocks if any(b.options.get("slow", False) for b in blocks) else []
-    return [b for b in blocks if not b.options.get("slow", False)]
+        return blocks if any(b.opts.get("slow", False) for b in blocks) else []
+    return [b for b in blocks if not b.opts.get("slow", False)]
 
 
 def _pages_to_run(slow: bool) -> list[Path]:
@@ -136,7 +145,7 @@ def test_marker_parser_reads_options_and_fences(tmp_path):
 
 def _prepared(block: Block) -> str:
     code = block.code
-    for old, new in block.options.get("replace", []):
+    for old, new in block.opts.get("replace", []):
         assert old in code, f"{block.where}: the substitution {old!r} no longer matches the block"
         code = code.replace(old, new)
     return code
@@ -163,7 +172,9 @@ def _run_page(page: Path, tmp_path: Path, monkeypatch, slow: bool) -> None:
     finally:
         after = _tree_state()
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-        assert not changed, f"running {page.relative_to(ROOT)} wrote into the repository (write into the temporary directory): {changed}"
+        assert not changed, (
+            f"running {page.relative_to(ROOT)} wrote into the repository (write into the temporary directory): {changed}"
+        )
 
 
 def _run_blocks(page: Path, tmp_path: Path, monkeypatch, slow: bool) -> None:
@@ -181,14 +192,21 @@ def _run_blocks(page: Path, tmp_path: Path, monkeypatch, slow: bool) -> None:
                 exec(compile(code, block.where, "exec"), namespace)  # noqa: S102 - the docs' own code
             text = out.getvalue()
         else:
-            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path, env=env,
-                                  capture_output=True, text=True, timeout=600, check=False)
+            proc = subprocess.run(
+                ["bash", "-euo", "pipefail", "-c", code],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=False,
+            )
             assert proc.returncode == 0, f"{block.where} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
             text = proc.stdout + proc.stderr
-        for expected in block.options.get("expect", []):
+        for expected in block.opts.get("expect", []):
             assert expected in text, f"{block.where}: {expected!r} not in the output:\n{text[-3000:]}"
-        if "check" in block.options:
-            assert eval(block.options["check"], namespace), f"{block.where}: {block.options['check']} is false"
+        if "check" in block.opts:
+            assert eval(block.opts["check"], namespace), f"{block.where}: {block.opts['check']} is false"
 
 
 @pytest.mark.parametrize("page", _pages_to_run(slow=False), ids=lambda p: str(p.relative_to(ROOT)))
@@ -200,6 +218,30 @@ def test_page_blocks_run(page, tmp_path, monkeypatch):
 @pytest.mark.parametrize("page", _pages_to_run(slow=True), ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_blocks_run_slow(page, tmp_path, monkeypatch):
     _run_page(page, tmp_path, monkeypatch, slow=True)
+
+
+FIGURES = re.compile(r"<!--\s*figures:\s*(?P<json>\{.*?\})\s*-->", re.DOTALL)
+
+
+def _words(text: str) -> str:
+    return " ".join(text.replace("**", "").split())
+
+
+def test_quoted_figures_match_their_results_files():
+    """A `<!-- figures: {"results file": ["figure", ...]} -->` marker on a page lists figures that the
+    page quotes from a file that a script wrote: each must be in both (so a re-run that changes a
+    figure fails here until the page is updated)."""
+    markers = [(page, json.loads(m["json"])) for page in PAGES for m in FIGURES.finditer(page.read_text())]
+    assert any(page.name == "README.md" for page, _ in markers), "the README quotes no results file"
+    for page, sources in markers:
+        page_text = _words(FIGURES.sub("", page.read_text()))
+        for source, figures in sources.items():
+            source_text = _words((ROOT / source).read_text())
+            for figure in figures:
+                assert figure in source_text, (
+                    f"{page.relative_to(ROOT)}: {figure!r} is not in {source} (re-run changed it?)"
+                )
+                assert figure in page_text, f"{page.relative_to(ROOT)} does not quote {figure!r} from {source}"
 
 
 def test_readme_quick_start_is_a_real_run(tmp_path, monkeypatch):

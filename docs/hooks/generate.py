@@ -56,7 +56,13 @@ def generate(out: Path = OUT) -> None:
     report = out / "report_example"
     report.mkdir(parents=True, exist_ok=True)
     # `hdi_monitor.cli` is a package; call its entry point as the `hdi-monitor` script does
-    cli = [sys.executable, "-c", "import sys; from hdi_monitor.cli import main; sys.exit(main())", "report", str(minilm_path())]
+    cli = [
+        sys.executable,
+        "-c",
+        "import sys; from hdi_monitor.cli import main; sys.exit(main())",
+        "report",
+        str(minilm_path()),
+    ]
     inputs = ["--inputs", str(ROOT / "docs" / "report_inputs.txt")]
     _run([*cli, *inputs], stdout=report / "table.txt")
     _run([*cli, "--projections", "all", *inputs, "--out", str(report)], stdout=report / "table_all.txt")
