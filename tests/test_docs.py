@@ -14,10 +14,14 @@ site):
     <!-- docs-test: {"slow": true} -->                  runs in the slow set
     <!-- docs-test: {"skip": "needs 8 GPUs"} -->        not run; the reason is shown in the docs source
 
-The blocks of one page run in order, in one temporary directory (holding links to the project's
-`configs/`, `docs/`, `examples/` and `benchmarks/`) and, for Python, one namespace. Shell blocks
-run under `bash -euo pipefail` with this Python's `bin/` first on PATH. Output blocks are fenced
-as `text` and are not run.
+The blocks of one page run in order, in one temporary directory (holding copies of the project's
+`configs/`, `docs/`, `examples/` and `benchmarks/`, so that a script writing its default results
+path writes into the copy) and, for Python, one namespace. A test fails if running a page changed
+any file of those four folders in the repository. Shell blocks run under `bash -euo pipefail` with
+this Python's `bin/` first on PATH. Output blocks are fenced as `text` and are not run.
+
+The fast set runs every page's blocks that are not marked slow; the slow set runs, in full, each
+page that has a slow block. So a block that needs the result of a slow one is marked slow too.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -50,6 +55,11 @@ class Block:
     lang: str
     code: str
     options: dict | None  # None: no marker
+
+    @property
+    def opts(self) -> dict:
+        """The marker's options ({} without a marker)."""
+        return self.options or {}
 
     @property
     def where(self) -> str:
@@ -89,13 +99,20 @@ def extract_blocks(page: Path) -> list[Block]:
 ALL_BLOCKS = [b for page in PAGES for b in extract_blocks(page)]
 
 
+def _runnable(page: Path, slow: bool) -> list[Block]:
+    """The blocks of `page` that run: in the slow set all of a page with a slow block, else the fast ones."""
+    blocks = [
+        b
+        for b in ALL_BLOCKS
+        if b.page == page and b.lang in RUN_LANGS and b.options is not None and "skip" not in b.options
+    ]
+    if slow:
+        return blocks if any(b.opts.get("slow", False) for b in blocks) else []
+    return [b for b in blocks if not b.opts.get("slow", False)]
+
+
 def _pages_to_run(slow: bool) -> list[Path]:
-    out = []
-    for page in PAGES:
-        runnable = [b for b in ALL_BLOCKS if b.page == page and b.lang in RUN_LANGS and b.options is not None and "skip" not in b.options]
-        if runnable and any(b.options.get("slow", False) for b in runnable) == slow:
-            out.append(page)
-    return out
+    return [page for page in PAGES if _runnable(page, slow)]
 
 
 def test_every_code_block_is_marked():
@@ -128,22 +145,46 @@ def test_marker_parser_reads_options_and_fences(tmp_path):
 
 def _prepared(block: Block) -> str:
     code = block.code
-    for old, new in block.options.get("replace", []):
+    for old, new in block.opts.get("replace", []):
         assert old in code, f"{block.where}: the substitution {old!r} no longer matches the block"
         code = code.replace(old, new)
     return code
 
 
-def _run_page(page: Path, tmp_path: Path, monkeypatch) -> None:
-    for name in ("configs", "docs", "examples", "benchmarks"):
-        (tmp_path / name).symlink_to(ROOT / name)
+COPIED = ("configs", "docs", "examples", "benchmarks")
+
+
+def _tree_state() -> dict[str, tuple[int, int]]:
+    """(size, mtime) of every file under the copied folders of the repository."""
+    state = {}
+    for name in COPIED:
+        for path in (ROOT / name).rglob("*"):
+            if path.is_file() and "__pycache__" not in path.parts:
+                st = path.stat()
+                state[str(path.relative_to(ROOT))] = (st.st_size, st.st_mtime_ns)
+    return state
+
+
+def _run_page(page: Path, tmp_path: Path, monkeypatch, slow: bool) -> None:
+    before = _tree_state()
+    try:
+        _run_blocks(page, tmp_path, monkeypatch, slow)
+    finally:
+        after = _tree_state()
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        assert not changed, (
+            f"running {page.relative_to(ROOT)} wrote into the repository (write into the temporary directory): {changed}"
+        )
+
+
+def _run_blocks(page: Path, tmp_path: Path, monkeypatch, slow: bool) -> None:
+    for name in COPIED:
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.chdir(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(ROOT), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     namespace: dict = {"__name__": "__docs__", "read_events": read_events, "scalar_series": scalar_series}
-    for block in ALL_BLOCKS:
-        if block.page != page or block.lang not in RUN_LANGS or block.options is None or "skip" in block.options:
-            continue
+    for block in _runnable(page, slow):
         code = _prepared(block)
         if block.lang == "python":
             out = io.StringIO()
@@ -151,25 +192,56 @@ def _run_page(page: Path, tmp_path: Path, monkeypatch) -> None:
                 exec(compile(code, block.where, "exec"), namespace)  # noqa: S102 - the docs' own code
             text = out.getvalue()
         else:
-            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path, env=env,
-                                  capture_output=True, text=True, timeout=600, check=False)
+            proc = subprocess.run(
+                ["bash", "-euo", "pipefail", "-c", code],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=False,
+            )
             assert proc.returncode == 0, f"{block.where} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
             text = proc.stdout + proc.stderr
-        for expected in block.options.get("expect", []):
+        for expected in block.opts.get("expect", []):
             assert expected in text, f"{block.where}: {expected!r} not in the output:\n{text[-3000:]}"
-        if "check" in block.options:
-            assert eval(block.options["check"], namespace), f"{block.where}: {block.options['check']} is false"
+        if "check" in block.opts:
+            assert eval(block.opts["check"], namespace), f"{block.where}: {block.opts['check']} is false"
 
 
 @pytest.mark.parametrize("page", _pages_to_run(slow=False), ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_blocks_run(page, tmp_path, monkeypatch):
-    _run_page(page, tmp_path, monkeypatch)
+    _run_page(page, tmp_path, monkeypatch, slow=False)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", _pages_to_run(slow=True), ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_blocks_run_slow(page, tmp_path, monkeypatch):
-    _run_page(page, tmp_path, monkeypatch)
+    _run_page(page, tmp_path, monkeypatch, slow=True)
+
+
+FIGURES = re.compile(r"<!--\s*figures:\s*(?P<json>\{.*?\})\s*-->", re.DOTALL)
+
+
+def _words(text: str) -> str:
+    return " ".join(text.replace("**", "").split())
+
+
+def test_quoted_figures_match_their_results_files():
+    """A `<!-- figures: {"results file": ["figure", ...]} -->` marker on a page lists figures that the
+    page quotes from a file that a script wrote: each must be in both (so a re-run that changes a
+    figure fails here until the page is updated)."""
+    markers = [(page, json.loads(m["json"])) for page in PAGES for m in FIGURES.finditer(page.read_text())]
+    assert any(page.name == "README.md" for page, _ in markers), "the README quotes no results file"
+    for page, sources in markers:
+        page_text = _words(FIGURES.sub("", page.read_text()))
+        for source, figures in sources.items():
+            source_text = _words((ROOT / source).read_text())
+            for figure in figures:
+                assert figure in source_text, (
+                    f"{page.relative_to(ROOT)}: {figure!r} is not in {source} (re-run changed it?)"
+                )
+                assert figure in page_text, f"{page.relative_to(ROOT)} does not quote {figure!r} from {source}"
 
 
 def test_readme_quick_start_is_a_real_run(tmp_path, monkeypatch):

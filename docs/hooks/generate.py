@@ -10,7 +10,8 @@ At the start of a build it runs, with the Python that runs MkDocs:
 The outputs go to `build/docs-generated/` (not committed). Each file is added to the site as if it
 were under `docs/`, so pages link to it and a strict build checks those links; pages include the
 text outputs with `--8<-- "build/docs-generated/..."` (pymdownx.snippets). A failing script fails
-the build.
+the build. The figures under `benchmarks/results/` (written by the benchmark and example scripts)
+are added the same way, at `benchmarks/results/...` in the site.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ log = logging.getLogger("mkdocs.hooks.generate")
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "build" / "docs-generated"
+RESULTS = ROOT / "benchmarks" / "results"
 _done = False  # once per process: `mkdocs serve` rebuilds must not rerun the scripts
 
 
@@ -53,7 +55,14 @@ def generate(out: Path = OUT) -> None:
     """Write every generated example under `out`."""
     report = out / "report_example"
     report.mkdir(parents=True, exist_ok=True)
-    cli = [sys.executable, "-m", "hdi_monitor.cli", "report", str(minilm_path())]
+    # `hdi_monitor.cli` is a package; call its entry point as the `hdi-monitor` script does
+    cli = [
+        sys.executable,
+        "-c",
+        "import sys; from hdi_monitor.cli import main; sys.exit(main())",
+        "report",
+        str(minilm_path()),
+    ]
     inputs = ["--inputs", str(ROOT / "docs" / "report_inputs.txt")]
     _run([*cli, *inputs], stdout=report / "table.txt")
     _run([*cli, "--projections", "all", *inputs, "--out", str(report)], stdout=report / "table_all.txt")
@@ -71,4 +80,8 @@ def on_files(files: Files, config) -> Files:
     for path in sorted(OUT.rglob("*")):
         if path.is_file() and path.suffix in {".png", ".html", ".json"}:
             files.append(File.generated(config, path.relative_to(OUT).as_posix(), abs_src_path=str(path)))
+    # the benchmarks' own figures, as the scripts wrote them (pages link `benchmarks/results/...`)
+    for path in sorted(RESULTS.rglob("*.png")):
+        uri = "benchmarks/results/" + path.relative_to(RESULTS).as_posix()
+        files.append(File.generated(config, uri, abs_src_path=str(path)))
     return files
