@@ -22,9 +22,8 @@ from hdi_monitor import head_diversity
 from hdi_monitor.models import AttentionSpec, SkippedModule, discover_attention, find_attention_layers
 from hdi_monitor.report import DiversityReport
 
-sys.path.insert(0, os.path.dirname(__file__))
-from kernel_capture import run_and_check, zero_biases  # noqa: E402
-from test_families import CASES, build, text_image_batch  # noqa: E402
+from family_cases import CASES, build, text_image_batch
+from kernel_capture import run_and_check, zero_biases
 
 transformers = pytest.importorskip("transformers")
 D, H, V = 32, 4, 64

@@ -9,9 +9,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from conftest import read_events
+from conftest import loader, read_events, tiny_lm, trainer
 from hdi_monitor import DiversityEvent, DiversityWarning, HDIMonitor
-from test_callback import loader, tiny_lm, trainer
 
 LAYER0 = "encoder.layers.0.self_attn"
 

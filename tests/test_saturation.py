@@ -110,14 +110,21 @@ def test_redundant_pairs_on_cuda_matches_cpu():
     assert redundant_pairs(m.cuda(), 0.7) == redundant_pairs(m, 0.7)
 
 
-def test_warning_and_event_types():
-    assert issubclass(DiversityWarning, UserWarning)
+def test_event_round_trips_through_json():
     event = DiversityEvent("redundancy", LAYER, "key", "hdi", 1200, 0.7, 0.75, CHANCE, ((2, 7, 0.96),), "m.")
     data = event.to_dict()
     assert json.loads(json.dumps(data)) == data
     assert DiversityEvent.from_dict(data) == event
-    with pytest.warns(DiversityWarning):
-        warnings.warn(event.message, DiversityWarning)
+
+
+def test_one_warning_class_whatever_the_import_path():
+    """A filter on `hdi_monitor.DiversityWarning` must catch what the tracker raises: one class object."""
+    import hdi_monitor
+    import hdi_monitor.exceptions
+    import hdi_monitor.monitor.tracker
+
+    assert DiversityWarning is hdi_monitor.DiversityWarning is hdi_monitor.exceptions.DiversityWarning
+    assert hdi_monitor.monitor.tracker.DiversityWarning is DiversityWarning
 
 
 # ---------------------------------------------------------------------------- saturation

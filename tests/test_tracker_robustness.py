@@ -99,7 +99,7 @@ def test_late_state_restore_is_applied(tmp_path):
     load_state_dict after on_fit_start, when the tracker exists."""
     import lightning.pytorch as pl
 
-    from test_callback import loader, tiny_lm
+    from conftest import loader, tiny_lm
 
     first = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, early_warning=False)
     pl.Trainer(max_steps=5, callbacks=[first], logger=False, enable_checkpointing=False,
