@@ -809,6 +809,7 @@ def test_head_weights_rejects_unknown_projection():
         lay.head_weights("keys")
 
 
+@pytest.mark.slow
 def test_discovery_does_not_import_transformers_for_plain_torch():
     import subprocess
     import sys

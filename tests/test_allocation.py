@@ -523,6 +523,7 @@ def test_cli_argument_errors_exit_2():
         assert exc.value.code == 2
 
 
+@pytest.mark.slow
 def test_cli_subprocess_bad_csv_has_no_traceback(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("H,d_k,N\n8,8,1000\n")

@@ -561,6 +561,7 @@ def test_bad_inputs_raise_clear_errors():
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_rank_sync_equals_one_rank(tmp_path):
     gen = torch.Generator().manual_seed(13)
     h, d, dim = 3, 4, 8

@@ -72,6 +72,7 @@ def test_demo_bad_arguments_exit_2(capsys):
     assert "divisible" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_lightning_cli_config(tmp_path):
     cmd = [
         sys.executable, str(ROOT / "examples" / "lightning_cli.py"), "fit",

@@ -133,6 +133,7 @@ def reference():
 # -------------------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.slow
 def test_runs_finish_on_every_rank(dist_run):
     strategy, out = dist_run
     ranks = summaries(out)
@@ -145,6 +146,7 @@ def test_runs_finish_on_every_rank(dist_run):
     assert ranks[0]["dtensor_parameters"] is (strategy == "fsdp2")
 
 
+@pytest.mark.slow
 def test_exactly_one_event_file_holds_hdi_scalars(dist_run):
     _, out = dist_run
     files = hdi_event_files(out)
@@ -154,6 +156,7 @@ def test_exactly_one_event_file_holds_hdi_scalars(dist_run):
         assert sorted(scalar_series(accs, f"hdi/key/{layer}")) == MEASURED  # no duplicate points either
 
 
+@pytest.mark.slow
 def test_logged_hdi_equals_unsharded_head_diversity(dist_run, reference):
     _, out = dist_run
     weights, _ = reference
@@ -171,6 +174,7 @@ def test_logged_hdi_equals_unsharded_head_diversity(dist_run, reference):
         assert mean[4] == pytest.approx(weights.mean_hdi(projection), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_covariance_summed_over_ranks_equals_single_process(dist_run, single_run, reference):
     _, out = dist_run
     _, acts = reference
@@ -199,6 +203,7 @@ def test_covariance_summed_over_ranks_equals_single_process(dist_run, single_run
             assert logged == pytest.approx(layer.effective_heads, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_fsdp2_gathers_one_layer_at_a_time(runs):
     """Peak memory of the weight measurement stays at one layer: no two encoder layers' gathered
     (``full_tensor()``) weights are alive at the same time."""
@@ -210,6 +215,7 @@ def test_fsdp2_gathers_one_layer_at_a_time(runs):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["report", "hook", "compute"])
 def test_failure_on_one_rank_does_not_hang(where, tmp_path):
     """Monitoring raises on rank 1 at step 2 only (while measuring the weights, or inside the

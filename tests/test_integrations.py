@@ -397,6 +397,7 @@ def test_example_hf_trainer_runs(tmp_path, capsys):
     assert {2, 4} <= set(scalar_series(accs, "train/loss"))
 
 
+@pytest.mark.slow
 @needs_hf
 def test_hf_resume_from_checkpoint_restores_history_and_detector(tmp_path):
     """Item 4 (issue 12): HDITrainerCallback is an ExportableState; resume_from_checkpoint brings back

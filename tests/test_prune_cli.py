@@ -46,6 +46,7 @@ def run_dir(tmp_path_factory):
     return tmp, lines
 
 
+@pytest.mark.slow
 def test_prune_cli_writes_results_that_match_an_independent_recomputation(run_dir):
     tmp, lines = run_dir
     result = json.loads((tmp / "out" / "results.json").read_text())

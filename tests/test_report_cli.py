@@ -303,6 +303,7 @@ def test_debug_shows_the_traceback(tmp_path):
         main(["--debug", "report", str(tmp_path / "missing")])
 
 
+@pytest.mark.slow
 def test_console_script_bad_input(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     proc = subprocess.run(
@@ -432,6 +433,7 @@ def test_full_disk_while_writing_figures(capsys, tmp_path, lightning_ckpt, monke
     assert str(target) in line and "No space left on device" in line
 
 
+@pytest.mark.slow
 def test_json_to_a_full_disk_exits_2(tmp_path, lightning_ckpt):
     """Item 7: --json into /dev/full (a real full device): exit 2, one line, no noise at exit."""
     if not os.path.exists("/dev/full"):
