@@ -8,10 +8,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from torch.utils.data import DataLoader, TensorDataset
-
 from conftest import loader, read_events, scalar_series, tiny_lm, trainer
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
 from hdi_monitor import HDIMonitor, head_diversity
 from hdi_monitor.contrib.demo import CharLM
 
@@ -73,7 +72,7 @@ def test_images_and_histograms_at_image_steps(tb_run):
         assert [e.step for e in events] == [0, 6]
         # 2 layers x C(4, 2) pairs x 8 angles each
         assert events[0].histogram_value.num == 2 * 6 * 8
-        assert 0 <= events[0].histogram_value.min and events[0].histogram_value.max <= 90.0 + 1e-4
+        assert events[0].histogram_value.min >= 0 and events[0].histogram_value.max <= 90.0 + 1e-4
 
 
 def test_custom_scalars_layout_written_once(tb_run):
@@ -138,7 +137,7 @@ def test_csv_logger_gets_scalars(tmp_path):
     monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, strict=True, early_warning=False)
     t = trainer(tmp_path, monitor, max_steps=5, logger=CSVLogger(str(tmp_path), name="csv"))
     t.fit(model, loader())
-    rows = list(csv.DictReader(open(Path(t.logger.log_dir) / "metrics.csv")))
+    rows = list(csv.DictReader((Path(t.logger.log_dir) / "metrics.csv").read_text().splitlines()))
     ref = head_diversity(model, projections=("key",))
     col = f"hdi/key/{LAYERS[0]}"
     logged = {int(r["step"]): float(r[col]) for r in rows if r.get(col)}
@@ -169,10 +168,18 @@ def test_fit_twice_on_one_trainer_continues_history_and_detector(tmp_path):
     """Item 4 (issue 12): a second trainer.fit on the same Trainer continues the history, the events
     and the detector on Lightning's own step axis; a new Trainer starts afresh."""
     model = tiny_lm(lr=0.0)  # flat HDI: saturation needs patience + 1 = 4 measurements in one series
-    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, patience=3, warmup_steps=0, strict=True)
+    monitor = HDIMonitor(
+        every_n_steps=2, projections=("key",), activations=False, patience=3, warmup_steps=0, strict=True
+    )
     t = pl.Trainer(
-        max_epochs=1, logger=TensorBoardLogger(str(tmp_path), name="tb"), callbacks=[monitor], accelerator="cpu",
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+        max_epochs=1,
+        logger=TensorBoardLogger(str(tmp_path), name="tb"),
+        callbacks=[monitor],
+        accelerator="cpu",
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
     )
     t.fit(model, loader(n=16))  # 4 steps: measured 0, 2
     assert [h["step"] for h in monitor.history] == [0, 2] and monitor.tracker.events == []
@@ -187,8 +194,13 @@ def test_fit_twice_on_one_trainer_continues_history_and_detector(tmp_path):
     assert sorted(series) == [0, 2, 4, 6]
 
     t2 = pl.Trainer(
-        max_steps=3, logger=False, callbacks=[monitor], accelerator="cpu", enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        max_steps=3,
+        logger=False,
+        callbacks=[monitor],
+        accelerator="cpu",
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     t2.fit(model, loader(n=16))
     assert [h["step"] for h in monitor.history] == [0, 2]
@@ -307,7 +319,9 @@ def test_no_attention_layer_raises_in_setup_before_the_first_step(tmp_path):
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
     model = MLP()
-    with pytest.raises(ValueError, match=r"no attention layer found in MLP(.|\n)*Modules of this model: net(.|\n)*spec="):
+    with pytest.raises(
+        ValueError, match=r"no attention layer found in MLP(.|\n)*Modules of this model: net(.|\n)*spec="
+    ):
         trainer(tmp_path, HDIMonitor(every_n_steps=1), max_steps=2).fit(model, loader())
     assert model.steps == 0
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import read_events, scalar_series
+
 from hdi_monitor import head_diversity
 
 SCRIPT = Path(__file__).parent / "scripts" / "dist_monitor.py"
@@ -55,9 +55,7 @@ def launch(out: Path, *extra: str, pg_timeout: float = 60.0) -> subprocess.Compl
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::DeprecationWarning")
     cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--pg-timeout", str(pg_timeout), *ARGS, *extra]
     try:
-        proc = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=SCRIPT.parents[2]
-        )
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=SCRIPT.parents[2])
     except subprocess.TimeoutExpired as err:
         tail = (err.stderr or b"")[-3000:]
         pytest.fail(f"{' '.join(cmd[2:])} did not finish in {TIMEOUT_S} s (deadlock?)\n{tail}")
@@ -246,7 +244,10 @@ def test_scale_benchmark_smoke_run():
     bench = load_module("bench_hdi_scale", SCRIPT.parents[2] / "benchmarks" / "bench_hdi_scale.py")
     results = bench.main(["--device", "cpu", "--small", "--repeats", "1"])
     assert [(r["shape"].name, r["variant"]) for r in results] == [
-        ("7b-small", "batched"), ("7b-small", "per-layer"), ("70b-small", "batched"), ("70b-small", "per-layer")
+        ("7b-small", "batched"),
+        ("7b-small", "per-layer"),
+        ("70b-small", "batched"),
+        ("70b-small", "per-layer"),
     ]
     for r in results:
         shape = r["shape"]

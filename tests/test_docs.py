@@ -92,7 +92,11 @@ ALL_BLOCKS = [b for page in PAGES for b in extract_blocks(page)]
 def _pages_to_run(slow: bool) -> list[Path]:
     out = []
     for page in PAGES:
-        runnable = [b for b in ALL_BLOCKS if b.page == page and b.lang in RUN_LANGS and b.options is not None and "skip" not in b.options]
+        runnable = [
+            b
+            for b in ALL_BLOCKS
+            if b.page == page and b.lang in RUN_LANGS and b.options is not None and "skip" not in b.options
+        ]
         if runnable and any(b.options.get("slow", False) for b in runnable) == slow:
             out.append(page)
     return out
@@ -151,8 +155,15 @@ def _run_page(page: Path, tmp_path: Path, monkeypatch) -> None:
                 exec(compile(code, block.where, "exec"), namespace)  # noqa: S102 - the docs' own code
             text = out.getvalue()
         else:
-            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path, env=env,
-                                  capture_output=True, text=True, timeout=600, check=False)
+            proc = subprocess.run(
+                ["bash", "-euo", "pipefail", "-c", code],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=False,
+            )
             assert proc.returncode == 0, f"{block.where} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
             text = proc.stdout + proc.stderr
         for expected in block.options.get("expect", []):
@@ -165,7 +176,10 @@ def _quick_pages() -> list:
     """The pages of the quick set; a page with a shell block (a subprocess) goes to the slow set."""
     params = []
     for page in _pages_to_run(slow=False):
-        shell = any(b.page == page and b.lang == "bash" and b.options is not None and "skip" not in b.options for b in ALL_BLOCKS)
+        shell = any(
+            b.page == page and b.lang == "bash" and b.options is not None and "skip" not in b.options
+            for b in ALL_BLOCKS
+        )
         params.append(pytest.param(page, marks=pytest.mark.slow) if shell else page)
     return params
 

@@ -10,19 +10,17 @@ kernel is the independent count of what should be found.
 
 from __future__ import annotations
 
-import os
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import pytest
 import torch
+from family_cases import CASES, Case, D, H, T, V, build, ids_batch, seq2seq_batch, transformers
+from kernel_capture import Captured, capture_kernels, run_and_check
 from torch import nn
 
 from hdi_monitor import head_diversity
 from hdi_monitor.models import discover_attention
-from family_cases import CASES, D, H, T, V, Case, build, ids_batch, seq2seq_batch, transformers
-from kernel_capture import Captured, capture_kernels, run_and_check
+
 
 def kernel_modules(model: nn.Module, batch: dict) -> set[int]:
     cap = Captured()
@@ -94,8 +92,14 @@ def test_encoder_decoder_padding_is_not_counted():
     layer = "decoder.layers.0.self_attn"
     got = next(lay for lay in padded.layers if lay.name == layer)
     # reference: the same tokens, one row at a time, trimmed to their real length
-    rows = [{"input_ids": batch["input_ids"][i : i + 1], "attention_mask": batch["attention_mask"][i : i + 1],
-             "decoder_input_ids": batch["decoder_input_ids"][i : i + 1, : int(dmask[i].sum())]} for i in range(2)]
+    rows = [
+        {
+            "input_ids": batch["input_ids"][i : i + 1],
+            "attention_mask": batch["attention_mask"][i : i + 1],
+            "decoder_input_ids": batch["decoder_input_ids"][i : i + 1, : int(dmask[i].sum())],
+        }
+        for i in range(2)
+    ]
     ref = next(lay for lay in head_diversity(model, inputs=rows).layers if lay.name == layer)
     assert got.num_tokens == ref.num_tokens == 8
     torch.testing.assert_close(got.covariance, ref.covariance, atol=1e-6, rtol=1e-5)
@@ -106,9 +110,17 @@ def test_deberta_content_projections_against_its_projections():
     query_proj/key_proj/value_proj (``transpose_for_scores``); the relative-position projections
     are not part of the HDI."""
     torch.manual_seed(0)
-    cfg = transformers.DebertaV2Config(vocab_size=V, hidden_size=D, num_hidden_layers=2, num_attention_heads=H,
-                                       intermediate_size=37, relative_attention=True, position_buckets=8,
-                                       pos_att_type=["p2c", "c2p"], max_relative_positions=16)
+    cfg = transformers.DebertaV2Config(
+        vocab_size=V,
+        hidden_size=D,
+        num_hidden_layers=2,
+        num_attention_heads=H,
+        intermediate_size=37,
+        relative_attention=True,
+        position_buckets=8,
+        pos_att_type=["p2c", "c2p"],
+        max_relative_positions=16,
+    )
     model = transformers.AutoModel.from_config(cfg).eval()
     found = discover_attention(model)
     assert found.skipped == [] and [lay.family for lay in found.layers] == ["deberta", "deberta"]
@@ -128,8 +140,9 @@ def test_deberta_content_projections_against_its_projections():
         inner.transpose_for_scores = rec
         seen[lay.name] = calls
     xs = {}
-    hooks = [lay.module.register_forward_pre_hook(lambda m, a, n=lay.name: xs.__setitem__(n, a[0]))
-             for lay in found.layers]
+    hooks = [
+        lay.module.register_forward_pre_hook(lambda m, a, n=lay.name: xs.__setitem__(n, a[0])) for lay in found.layers
+    ]
     with torch.no_grad():
         model(**batch)
     for h in hooks:
@@ -139,7 +152,11 @@ def test_deberta_content_projections_against_its_projections():
         q, k, v = seen[lay.name][:3]  # (B*H, T, d) for query, key, value
         x = xs[lay.name]
         inner = lay.module.self
-        for t, proj, mod in ((q, "query", inner.query_proj), (k, "key", inner.key_proj), (v, "value", inner.value_proj)):
+        for t, proj, mod in (
+            (q, "query", inner.query_proj),
+            (k, "key", inner.key_proj),
+            (v, "value", inner.value_proj),
+        ):
             w = lay.head_weights(proj)
             mine = torch.einsum("btm,hmd->bhtd", x, w) + mod.bias.view(H, 1, -1)
             torch.testing.assert_close(mine.reshape(-1, T, D // H), t, atol=1e-5, rtol=1e-5)

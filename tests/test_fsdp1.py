@@ -191,8 +191,12 @@ def test_discovery_reports_names_without_wrapper_segments():
     # the layers= filter and AttentionSpec regexes see the same names
     assert [lay.name for lay in find_attention_layers(wrapped, layers=[names[1]])] == [names[1]]
     spec = AttentionSpec(
-        modules=r"encoder\.layers\.\d+\.self_attn", query="out_proj", key="out_proj", value="out_proj",
-        output="out_proj", num_heads=4,
+        modules=r"encoder\.layers\.\d+\.self_attn",
+        query="out_proj",
+        key="out_proj",
+        value="out_proj",
+        output="out_proj",
+        num_heads=4,
     )
     assert [lay.name for lay in find_attention_layers(wrapped, spec=spec)] == names
     # and the weights are those of the unwrapped model

@@ -22,7 +22,6 @@ PROJECTIONS = ("query", "key", "value", "output")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
 # ------------------------------------------------------------------------------------- plain loop
 
 
@@ -406,8 +405,14 @@ def test_hf_resume_from_checkpoint_restores_history_and_detector(tmp_path):
 
     def callback():
         return HDITrainerCallback(
-            every_n_steps=1, projections=("key",), max_tokens=16, log_dir=str(tmp_path / "tb"), patience=3,
-            warmup_steps=0, log_images_every_n_steps=0, strict=True,
+            every_n_steps=1,
+            projections=("key",),
+            max_tokens=16,
+            log_dir=str(tmp_path / "tb"),
+            patience=3,
+            warmup_steps=0,
+            log_images_every_n_steps=0,
+            strict=True,
         )
 
     def run(out: str, cb, resume=None, max_steps=6):

@@ -10,7 +10,6 @@ import io
 import json
 import math
 import random
-import warnings
 
 import pytest
 import torch
@@ -268,7 +267,7 @@ def test_mode_min_mirrors_mode_max():
     ev_up = feed(up, series)
     ev_down = feed(down, [-v for v in series])
     assert kinds(ev_up) == kinds(ev_down) and ("collapse", 5000) in kinds(ev_up)
-    for a, b in zip(ev_up, ev_down):
+    for a, b in zip(ev_up, ev_down, strict=True):
         assert b.value == -a.value and b.best == -a.best
     collapse_down = next(e for e in ev_down if e.kind == "collapse")
     assert "rose by 0.0" in collapse_down.message
@@ -481,9 +480,7 @@ def _stream(seed=0, n=150):
         m.fill_diagonal_(1.0)
         calls.append((step, "enc.1.attn", "value", 0.8 if k < 90 else 0.7, {"pairwise": m}))
         calls.append((step, "mean", "key", 0.85 + 0.0005 * k if k < 70 else 0.885, {}))
-        calls.append(
-            (step, "enc.1.attn", "activations", 5.0 + rng.gauss(0, 0.05), {"metric": "effective_heads"})
-        )
+        calls.append((step, "enc.1.attn", "activations", 5.0 + rng.gauss(0, 0.05), {"metric": "effective_heads"}))
     return calls
 
 
@@ -527,7 +524,7 @@ def test_resume_issues_exactly_the_uninterrupted_events(splits):
 
     got, state = [], None
     bounds = [0, *splits, len(calls)]
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         det = SaturationDetector(**CONFIG)
         if state is not None:
             det.load_state_dict(_roundtrip(state))
