@@ -76,9 +76,12 @@ def test_measurements_ignore_autocast():
     for ref, got in zip(reference.layers, m.report.layers, strict=True):
         for p in ("query", "key", "value", "output"):
             assert got.hdi[p] == pytest.approx(ref.hdi[p], rel=1e-6)
-        # the head outputs were recomputed in float32 (bf16 would move H_eff in the 3rd digit);
-        # the forward itself ran in bf16, hence the looser tolerance than the weights'
-        assert got.effective_heads == pytest.approx(ref.effective_heads, rel=2e-2)
+    # The head outputs are recomputed in float32. Layer 0 reads the float32 input itself, so its
+    # H_eff is exact (head outputs in bf16 would move it by 8e-4); layer 1 reads layer 0's output,
+    # which the forward computed in bf16 (observed 2.8e-4 off).
+    layer0, layer1 = zip(reference.layers, m.report.layers, strict=True)
+    assert layer0[1].effective_heads == pytest.approx(layer0[0].effective_heads, rel=1e-6)
+    assert layer1[1].effective_heads == pytest.approx(layer1[0].effective_heads, rel=2e-3)
 
 
 def test_mha_recompute_is_float32_under_autocast():
