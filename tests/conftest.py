@@ -1,13 +1,21 @@
-"""Shared fixtures: tiny models and TensorBoard event-file readers."""
+"""Shared test helpers: the tiny Lightning model, its data and Trainer, and TensorBoard event-file readers."""
 
 from __future__ import annotations
 
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from hdi_monitor import HDIMonitor
+    from hdi_monitor.contrib.demo import CharLM
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -43,3 +51,39 @@ def scalar_series(accs, tag: str) -> dict[int, float]:
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def tiny_lm(lr: float = 0.0) -> CharLM:
+    """The demo's character LM at 2 layers of 4 heads (D = 32, d = 8), seeded: the same weights every call."""
+    from hdi_monitor.contrib.demo import CharLM
+
+    torch.manual_seed(0)
+    return CharLM(d_model=32, num_heads=4, num_layers=2, seq_len=16, lr=lr)
+
+
+def loader(n: int = 64, batch_size: int = 4) -> DataLoader:
+    """``n`` fixed random sequences of 16 tokens (next-token targets), in order, ``batch_size`` a batch."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 128, (n, 17), generator=g)
+    return DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=batch_size)
+
+
+def trainer(tmp_path: Path, monitor: HDIMonitor | list, max_steps: int, logger: Any = None, **kw: Any) -> pl.Trainer:
+    """A quiet CPU Trainer logging every step to TensorBoard under ``tmp_path`` (or to ``logger``)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    kw.setdefault("enable_checkpointing", False)
+    return pl.Trainer(
+        max_steps=max_steps,
+        logger=TensorBoardLogger(str(tmp_path), name="tb") if logger is None else logger,
+        callbacks=monitor if isinstance(monitor, list) else [monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        log_every_n_steps=1,
+        accelerator="cpu",
+        **kw,
+    )

@@ -45,7 +45,9 @@ class Captured:
 
 
 def _record(cap: Captured, module: nn.Module, q: Tensor, k: Tensor, v: Tensor, out: Tensor | None) -> None:
-    cap.calls[id(module)] = KernelCall(module, q.detach(), k.detach(), v.detach(), None if out is None else out.detach())
+    cap.calls[id(module)] = KernelCall(
+        module, q.detach(), k.detach(), v.detach(), None if out is None else out.detach()
+    )
 
 
 @contextlib.contextmanager
@@ -177,8 +179,10 @@ def _call_for(cap: Captured, layer: AttentionLayer) -> KernelCall | None:
 def _normed(layer: AttentionLayer, which: str, per_head: Tensor, heads: int) -> Tensor:
     """Apply the module's own q/k norm (per head, or over all heads) to ``(B, heads, d)``."""
     mod = layer.module
-    names = {"q": ("q_norm", "q_layernorm", "query_layernorm", "query_norm", "qk_norm"),
-             "k": ("k_norm", "k_layernorm", "key_layernorm", "key_norm", "qk_norm")}[which]
+    names = {
+        "q": ("q_norm", "q_layernorm", "query_layernorm", "query_norm", "qk_norm"),
+        "k": ("k_norm", "k_layernorm", "key_layernorm", "key_norm", "qk_norm"),
+    }[which]
     norm = next((getattr(mod, n) for n in names if isinstance(getattr(mod, n, None), nn.Module)), None)
     if norm is None:
         return per_head
@@ -223,6 +227,7 @@ def run_and_check(
     child_inputs: dict[tuple[str, str], Tensor] = {}
     for lay in layers:
         for proj, child in _projection_children(lay).items():
+
             def pre(_m, args, n=lay.name, p=proj):
                 x = args[0].detach()
                 child_inputs[(n, p)] = x[None] if x.dim() == 2 else x
@@ -231,6 +236,7 @@ def run_and_check(
     for lay in layers:
         handles.append(lay.attach_output_hook(lambda o, keep, n=lay.name: outs.setdefault(n, []).append(o)))
         if lay.output_module is not None:
+
             def post(_m, args, output, n=lay.name):
                 out_calls[n] = (args[0].detach(), output.detach())
 
@@ -242,8 +248,14 @@ def run_and_check(
         for h in handles:
             h.remove()
     return {
-        lay.name: _check_one(lay, cap, outs.get(lay.name), out_calls.get(lay.name), atol,
-                             {p: x for (n, p), x in child_inputs.items() if n == lay.name})
+        lay.name: _check_one(
+            lay,
+            cap,
+            outs.get(lay.name),
+            out_calls.get(lay.name),
+            atol,
+            {p: x for (n, p), x in child_inputs.items() if n == lay.name},
+        )
         for lay in layers
     }
 
@@ -261,8 +273,11 @@ def _check_one(lay, cap: Captured, outs, out_call, atol: float, inputs: dict[str
     x, kv_in = cap.inputs[id(lay.module)]
     x0 = x[:, 0].float()
     problems = []
-    for proj, which, t, src in (("query", "q", call.q, x0), ("key", "k", call.k, kv_in[:, 0].float()),
-                                ("value", "v", call.v, kv_in[:, 0].float())):
+    for proj, which, t, src in (
+        ("query", "q", call.q, x0),
+        ("key", "k", call.k, kv_in[:, 0].float()),
+        ("value", "v", call.v, kv_in[:, 0].float()),
+    ):
         if proj in inputs:  # what the projection child itself read (pre-norms, position embeddings included)
             src = inputs[proj][:, 0].float()
         w = lay.head_weights(proj).float()  # (h, D_in, d)

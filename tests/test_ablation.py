@@ -32,19 +32,39 @@ def _build(family: str) -> nn.Module:
         model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
     elif family == "bert":
         cfg = transformers.BertConfig(
-            vocab_size=50, hidden_size=D, num_hidden_layers=2, num_attention_heads=H, intermediate_size=64,
-            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            vocab_size=50,
+            hidden_size=D,
+            num_hidden_layers=2,
+            num_attention_heads=H,
+            intermediate_size=64,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
         )
         model = transformers.BertModel(cfg, add_pooling_layer=False)
     elif family == "gpt2":
         cfg = transformers.GPT2Config(
-            vocab_size=50, n_embd=D, n_layer=2, n_head=H, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+            vocab_size=50,
+            n_embd=D,
+            n_layer=2,
+            n_head=H,
+            n_positions=32,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
         )
         model = transformers.GPT2Model(cfg)
     else:
         cfg = transformers.LlamaConfig(
-            vocab_size=50, hidden_size=D, num_hidden_layers=2, num_attention_heads=H, num_key_value_heads=2,
-            head_dim=8, intermediate_size=64, max_position_embeddings=32, attention_bias=True,
+            vocab_size=50,
+            hidden_size=D,
+            num_hidden_layers=2,
+            num_attention_heads=H,
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size=64,
+            max_position_embeddings=32,
+            attention_bias=True,
         )
         model = transformers.LlamaModel(cfg)
     model = model.double().eval()
@@ -102,7 +122,9 @@ def test_zero_ablation_equals_out_projection_of_zeroed_head_outputs(family):
     target = layer.module if family == "torch_mha" else output_module(layer)
     with torch.no_grad(), ablate_heads(model, {layer.name: [0, 2]}):
         # registered after the ablation's hooks, so it sees the edited output (MHA: post-hook order)
-        hook = target.register_forward_hook(lambda _m, _a, out: seen.append((out[0] if isinstance(out, tuple) else out).clone()))
+        hook = target.register_forward_hook(
+            lambda _m, _a, out: seen.append((out[0] if isinstance(out, tuple) else out).clone())
+        )
         try:
             _run(model, batch)
         finally:
@@ -276,7 +298,12 @@ def test_similarity_and_ranking_find_planted_duplicate_heads():
     s = sim[l1.name]
     assert s[1, 3] == pytest.approx(1.0, abs=1e-6)
     # an ordinary pair equals the mean over projections of the spectral overlap, computed by hand
-    expected = sum(_spectral_overlap(l1.head_weights(p)[0], l1.head_weights(p)[2]) for p in ("query", "key", "value", "output")) / 4
+    expected = (
+        sum(
+            _spectral_overlap(l1.head_weights(p)[0], l1.head_weights(p)[2]) for p in ("query", "key", "value", "output")
+        )
+        / 4
+    )
     assert float(s[0, 2]) == pytest.approx(expected, abs=1e-6)
     off = ~torch.eye(H, dtype=torch.bool)
     assert sim[layers[0].name][off].max() < 0.9
@@ -339,7 +366,10 @@ def test_importance_combined_random_and_selection():
     r1, r2 = random_ranking({"a": 3, "b": 2}, seed=7), random_ranking({"a": 3, "b": 2}, seed=7)
     assert torch.equal(torch.random.get_rng_state(), state)  # the global generator was not drawn from
     assert r1 == r2 and sorted(r1) == sorted(order)
-    assert r1 == [[("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1)][i] for i in torch.randperm(5, generator=torch.Generator().manual_seed(7)).tolist()]
+    assert r1 == [
+        [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1)][i]
+        for i in torch.randperm(5, generator=torch.Generator().manual_seed(7)).tolist()
+    ]
     # b keeps one head: ("b", 0) is skipped once ("b", 1) went
     assert select_heads(order, 3, {"a": 3, "b": 2}) == {"a": [0, 1], "b": [1]}
     with pytest.raises(ValueError, match=r"count must be in 0\.\.3"):
@@ -409,7 +439,9 @@ def test_prune_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="cannot remove all 4 heads"):
         prune_heads(bert, {layers[0].name: [0], layers[1].name: [0, 1, 2, 3]})
     assert all(torch.equal(v, state[k]) for k, v in bert.state_dict().items())  # nothing edited
-    t5 = transformers.T5EncoderModel(transformers.T5Config(vocab_size=50, d_model=D, d_kv=8, num_heads=H, num_layers=1, d_ff=64))
+    t5 = transformers.T5EncoderModel(
+        transformers.T5Config(vocab_size=50, d_model=D, d_kv=8, num_heads=H, num_layers=1, d_ff=64)
+    )
     t5_name = find_attention_layers(t5)[0].name
     with pytest.raises(ValueError, match="no pruning layout for family 't5'"):
         prune_heads(t5, {t5_name: [0]})

@@ -48,9 +48,7 @@ class Capture:
 
     def __init__(self, modules: dict[str, nn.Module]) -> None:
         self.calls: dict[str, tuple[tuple, dict, object]] = {}
-        self.handles = [
-            m.register_forward_hook(self._hook(k), with_kwargs=True) for k, m in modules.items()
-        ]
+        self.handles = [m.register_forward_hook(self._hook(k), with_kwargs=True) for k, m in modules.items()]
 
     def _hook(self, key: str):
         def hook(_m, args, kwargs, output):
@@ -193,41 +191,146 @@ def _make(config_cls, **kw) -> Callable[[], nn.Module]:
     return make
 
 
-_LLAMA_KW = dict(vocab_size=V, hidden_size=D, num_hidden_layers=2, num_attention_heads=H, num_key_value_heads=HKV,
-                 intermediate_size=37, max_position_embeddings=64)
+_LLAMA_KW = dict(
+    vocab_size=V,
+    hidden_size=D,
+    num_hidden_layers=2,
+    num_attention_heads=H,
+    num_key_value_heads=HKV,
+    intermediate_size=37,
+    max_position_embeddings=64,
+)
 _llama_sources = lambda m: {"query": (m.q_proj, 0), "key": (m.k_proj, 0), "value": (m.v_proj, 0)}  # noqa: E731
 
 HF_CASES = [
-    HFCase("bert", "bert", _make(transformers.BertConfig, vocab_size=V, hidden_size=D, num_hidden_layers=2,
-                                 num_attention_heads=H, intermediate_size=37),
-           _ids_batch, 2, H, H, D // H,
-           lambda m: {"query": (m.self.query, 0), "key": (m.self.key, 0), "value": (m.self.value, 0)},
-           lambda m: m.output.dense),
-    HFCase("roberta", "bert", _make(transformers.RobertaConfig, vocab_size=V, hidden_size=D, num_hidden_layers=2,
-                                    num_attention_heads=H, intermediate_size=37),
-           _ids_batch, 2, H, H, D // H,
-           lambda m: {"query": (m.self.query, 0), "key": (m.self.key, 0), "value": (m.self.value, 0)},
-           lambda m: m.output.dense),
-    HFCase("gpt2", "gpt2", _make(transformers.GPT2Config, vocab_size=V, n_embd=D, n_layer=2, n_head=H,
-                                 bos_token_id=0, eos_token_id=0),
-           _ids_batch, 2, H, H, D // H,
-           lambda m: {"query": (m.c_attn, 0), "key": (m.c_attn, D), "value": (m.c_attn, 2 * D)},
-           lambda m: m.c_proj),
-    HFCase("llama", "llama", _make(transformers.LlamaConfig, **_LLAMA_KW),
-           _ids_batch, 2, H, HKV, D // H, _llama_sources, lambda m: m.o_proj),
-    HFCase("mistral", "llama", _make(transformers.MistralConfig, **_LLAMA_KW),
-           _ids_batch, 2, H, HKV, D // H, _llama_sources, lambda m: m.o_proj),
-    HFCase("qwen2", "llama", _make(transformers.Qwen2Config, **{**_LLAMA_KW, "num_key_value_heads": 1}),
-           _ids_batch, 2, H, 1, D // H, _llama_sources, lambda m: m.o_proj),
-    HFCase("t5", "t5", _make(transformers.T5Config, vocab_size=V, d_model=D, d_kv=6, d_ff=37, num_layers=2,
-                             num_decoder_layers=1, num_heads=H),
-           _t5_batch, 2 + 2, H, H, 6,
-           lambda m: {"query": (m.q, 0), "key": (m.k, 0), "value": (m.v, 0)}, lambda m: m.o),
-    HFCase("vit", "vit", _make(transformers.ViTConfig, image_size=16, patch_size=8, hidden_size=D,
-                               num_hidden_layers=2, num_attention_heads=H, intermediate_size=37),
-           _vit_batch, 2, H, H, D // H,
-           lambda m: {"query": (m.q_proj, 0), "key": (m.k_proj, 0), "value": (m.v_proj, 0)},
-           lambda m: m.o_proj, mask_key=None),
+    HFCase(
+        "bert",
+        "bert",
+        _make(
+            transformers.BertConfig,
+            vocab_size=V,
+            hidden_size=D,
+            num_hidden_layers=2,
+            num_attention_heads=H,
+            intermediate_size=37,
+        ),
+        _ids_batch,
+        2,
+        H,
+        H,
+        D // H,
+        lambda m: {"query": (m.self.query, 0), "key": (m.self.key, 0), "value": (m.self.value, 0)},
+        lambda m: m.output.dense,
+    ),
+    HFCase(
+        "roberta",
+        "bert",
+        _make(
+            transformers.RobertaConfig,
+            vocab_size=V,
+            hidden_size=D,
+            num_hidden_layers=2,
+            num_attention_heads=H,
+            intermediate_size=37,
+        ),
+        _ids_batch,
+        2,
+        H,
+        H,
+        D // H,
+        lambda m: {"query": (m.self.query, 0), "key": (m.self.key, 0), "value": (m.self.value, 0)},
+        lambda m: m.output.dense,
+    ),
+    HFCase(
+        "gpt2",
+        "gpt2",
+        _make(transformers.GPT2Config, vocab_size=V, n_embd=D, n_layer=2, n_head=H, bos_token_id=0, eos_token_id=0),
+        _ids_batch,
+        2,
+        H,
+        H,
+        D // H,
+        lambda m: {"query": (m.c_attn, 0), "key": (m.c_attn, D), "value": (m.c_attn, 2 * D)},
+        lambda m: m.c_proj,
+    ),
+    HFCase(
+        "llama",
+        "llama",
+        _make(transformers.LlamaConfig, **_LLAMA_KW),
+        _ids_batch,
+        2,
+        H,
+        HKV,
+        D // H,
+        _llama_sources,
+        lambda m: m.o_proj,
+    ),
+    HFCase(
+        "mistral",
+        "llama",
+        _make(transformers.MistralConfig, **_LLAMA_KW),
+        _ids_batch,
+        2,
+        H,
+        HKV,
+        D // H,
+        _llama_sources,
+        lambda m: m.o_proj,
+    ),
+    HFCase(
+        "qwen2",
+        "llama",
+        _make(transformers.Qwen2Config, **{**_LLAMA_KW, "num_key_value_heads": 1}),
+        _ids_batch,
+        2,
+        H,
+        1,
+        D // H,
+        _llama_sources,
+        lambda m: m.o_proj,
+    ),
+    HFCase(
+        "t5",
+        "t5",
+        _make(
+            transformers.T5Config,
+            vocab_size=V,
+            d_model=D,
+            d_kv=6,
+            d_ff=37,
+            num_layers=2,
+            num_decoder_layers=1,
+            num_heads=H,
+        ),
+        _t5_batch,
+        2 + 2,
+        H,
+        H,
+        6,
+        lambda m: {"query": (m.q, 0), "key": (m.k, 0), "value": (m.v, 0)},
+        lambda m: m.o,
+    ),
+    HFCase(
+        "vit",
+        "vit",
+        _make(
+            transformers.ViTConfig,
+            image_size=16,
+            patch_size=8,
+            hidden_size=D,
+            num_hidden_layers=2,
+            num_attention_heads=H,
+            intermediate_size=37,
+        ),
+        _vit_batch,
+        2,
+        H,
+        H,
+        D // H,
+        lambda m: {"query": (m.q_proj, 0), "key": (m.k_proj, 0), "value": (m.v_proj, 0)},
+        lambda m: m.o_proj,
+        mask_key=None,
+    ),
 ]
 
 
@@ -248,7 +351,11 @@ def test_hf_discovery_counts(hf):
         assert modules[lay.name] is lay.module
         assert lay.family == case.family
         assert (lay.num_heads, lay.num_kv_heads, lay.head_dim, lay.model_dim) == (
-            case.heads, case.kv_heads, case.head_dim, D)
+            case.heads,
+            case.kv_heads,
+            case.head_dim,
+            D,
+        )
         if case.name == "t5":
             expected = "decoder_attention_mask" if lay.name.startswith("decoder") else "attention_mask"
             assert lay.mask_key == expected
@@ -271,6 +378,7 @@ def test_hf_head_weights_reproduce_projections(hf):
 def _finisher(case: HFCase, lay: AttentionLayer) -> tuple[Callable, Callable]:
     mod = lay.module
     if case.family == "bert":
+
         def finish(o, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
             return mod.output(o, hidden)  # BertSelfOutput: LayerNorm(dense(o) + hidden)
@@ -279,6 +387,7 @@ def _finisher(case: HFCase, lay: AttentionLayer) -> tuple[Callable, Callable]:
 
         def finish(o, args, kwargs):
             return out(o)
+
     return finish, lambda output: output[0]
 
 
@@ -308,12 +417,12 @@ def test_hf_head_outputs_follow_attention_probs(hf):
         cap.remove()
     if case.name == "t5":
         probs = [*out.encoder_attentions]
-        for self_a, cross_a in zip(out.decoder_attentions, out.cross_attentions):
+        for self_a, cross_a in zip(out.decoder_attentions, out.cross_attentions, strict=True):
             probs += [self_a, cross_a]
     else:
         probs = list(out.attentions)
     assert len(probs) == len(layers)
-    for lay, a in zip(layers, probs):
+    for lay, a in zip(layers, probs, strict=True):
         mod, start = case.sources(lay.module)["value"]
         args, _, _ = cap.calls[lay.name]
         bias = getattr(mod, "bias", None)
@@ -336,8 +445,9 @@ def test_t5_decoder_layers_and_cross_attention_inputs():
 
 def test_gpt2_cross_attention():
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=V, n_embd=D, n_layer=1, n_head=H, add_cross_attention=True,
-                                  bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=V, n_embd=D, n_layer=1, n_head=H, add_cross_attention=True, bos_token_id=0, eos_token_id=0
+    )
     model = transformers.GPT2Model(cfg).eval()
     layers = find_attention_layers(model)
     assert [lay.name for lay in layers] == ["h.0.attn", "h.0.crossattention"]
@@ -533,9 +643,13 @@ def test_mha_output_hook_self_attention(batch_first):
     kpm[1, -2:] = True
     kpm[2, -1:] = True
     causal = nn.Transformer.generate_square_subsequent_mask(t)
-    for kwargs in ({}, {"key_padding_mask": kpm}, {"attn_mask": causal, "is_causal": True},
-                   {"key_padding_mask": kpm, "attn_mask": causal.isinf()}):
-        o, keep, (out, _) = _hook_run(lay, lambda: mha(x, x, x, **kwargs))
+    for kwargs in (
+        {},
+        {"key_padding_mask": kpm},
+        {"attn_mask": causal, "is_causal": True},
+        {"key_padding_mask": kpm, "attn_mask": causal.isinf()},
+    ):
+        o, keep, (out, _) = _hook_run(lay, lambda kwargs=kwargs: mha(x, x, x, **kwargs))
         assert o.shape == x.shape
         close(mha.out_proj(o), out)
         if "key_padding_mask" in kwargs:
@@ -638,8 +752,14 @@ def test_transformer_decoder_layer_self_and_cross_attention():
     handles = [lay.attach_output_hook(lambda o, k, n=lay.name: got.__setitem__(n, (o, k))) for lay in layers]
     try:
         with torch.no_grad():
-            model(tgt, mem, tgt_mask=tgt_mask, tgt_is_causal=True, tgt_key_padding_mask=tgt_kpm,
-                  memory_key_padding_mask=mem_kpm)
+            model(
+                tgt,
+                mem,
+                tgt_mask=tgt_mask,
+                tgt_is_causal=True,
+                tgt_key_padding_mask=tgt_kpm,
+                memory_key_padding_mask=mem_kpm,
+            )
     finally:
         for h in handles:
             h.remove()
@@ -680,8 +800,9 @@ class CustomAttention(nn.Module):
 class CustomModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([nn.ModuleDict({"attn": CustomAttention(), "attn_norm": nn.LayerNorm(D)})
-                                     for _ in range(3)])
+        self.blocks = nn.ModuleList(
+            [nn.ModuleDict({"attn": CustomAttention(), "attn_norm": nn.LayerNorm(D)}) for _ in range(3)]
+        )
 
     def forward(self, x):
         for blk in self.blocks:
@@ -695,8 +816,9 @@ def test_spec_attribute_paths():
     # out of the box: the structural wq/wk/wv/wo entry, head counts from the module's heads/kv_heads
     auto = find_attention_layers(model)
     assert [(lay.family, lay.num_heads, lay.num_kv_heads) for lay in auto] == [("wqkvo", H, HKV)] * 3
-    spec = AttentionSpec(modules=r"blocks\.\d+\.attn", query="wq", key="wk", value="wv", output="wo",
-                         num_heads=H, num_kv_heads=HKV)
+    spec = AttentionSpec(
+        modules=r"blocks\.\d+\.attn", query="wq", key="wk", value="wv", output="wo", num_heads=H, num_kv_heads=HKV
+    )
     layers = find_attention_layers(model, spec=spec)
     assert [lay.name for lay in layers] == ["blocks.0.attn", "blocks.1.attn", "blocks.2.attn"]  # not attn_norm
     x = torch.randn(2, T, D)
@@ -715,9 +837,13 @@ def test_spec_callables_and_predicate():
     a = D
     spec = AttentionSpec(
         modules=lambda name, m: isinstance(m, Attention),
-        query=lambda m: m.qkv.weight[:a], key=lambda m: m.qkv.weight[a : 2 * a],
-        value=lambda m: m.qkv.weight[2 * a :], output="proj.weight", output_module="proj",
-        num_heads=H, family="custom",
+        query=lambda m: m.qkv.weight[:a],
+        key=lambda m: m.qkv.weight[a : 2 * a],
+        value=lambda m: m.qkv.weight[2 * a :],
+        output="proj.weight",
+        output_module="proj",
+        num_heads=H,
+        family="custom",
     )
     with pytest.warns(UserWarning, match="slices of one fused weight"):
         (lay,) = find_attention_layers(model, spec=spec)
@@ -732,17 +858,28 @@ def test_spec_callables_and_predicate():
 def test_spec_shape_errors_name_projection_and_numbers():
     model = CustomModel()
     with pytest.raises(ValueError, match=r"32 head-output features do not split into 5 heads"):
-        find_attention_layers(model, spec=AttentionSpec(modules=r"blocks\.0\.attn", query="wq", key="wk",
-                                                        value="wv", output="wo", num_heads=5))
+        find_attention_layers(
+            model,
+            spec=AttentionSpec(modules=r"blocks\.0\.attn", query="wq", key="wk", value="wv", output="wo", num_heads=5),
+        )
     with pytest.raises(ValueError, match=r"4 key/value heads given, the weights have 2"):
-        find_attention_layers(model, spec=AttentionSpec(modules=r"blocks\.0\.attn", query="wq", key="wk",
-                                                        value="wv", output="wo", num_heads=4, num_kv_heads=4))
+        find_attention_layers(
+            model,
+            spec=AttentionSpec(
+                modules=r"blocks\.0\.attn", query="wq", key="wk", value="wv", output="wo", num_heads=4, num_kv_heads=4
+            ),
+        )
     with pytest.raises(ValueError, match="does not resolve.*'nope'"):
-        find_attention_layers(model, spec=AttentionSpec(modules=r"blocks\.0\.attn", query="nope", key="wk",
-                                                        value="wv", output="wo", num_heads=4))
+        find_attention_layers(
+            model,
+            spec=AttentionSpec(
+                modules=r"blocks\.0\.attn", query="nope", key="wk", value="wv", output="wo", num_heads=4
+            ),
+        )
     with pytest.raises(ValueError, match="matched no module of CustomModel"):
-        find_attention_layers(model, spec=AttentionSpec(modules="attn", query="wq", key="wk", value="wv",
-                                                        output="wo", num_heads=4))
+        find_attention_layers(
+            model, spec=AttentionSpec(modules="attn", query="wq", key="wk", value="wv", output="wo", num_heads=4)
+        )
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         AttentionSpec(modules="x", query="wq", key="wk", value="wv", output="wo", num_heads=4, num_kv_heads=3)
     with pytest.raises(TypeError, match="AttentionSpec.key"):
@@ -790,10 +927,13 @@ def test_meta_and_lazy_layers_are_skipped_with_warning():
 
 
 def test_layers_filter():
-    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(D, H, batch_first=True), num_layers=3,
-                                  enable_nested_tensor=False)
+    model = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(D, H, batch_first=True), num_layers=3, enable_nested_tensor=False
+    )
     assert [lay.name for lay in find_attention_layers(model, layers=r"layers\.[02]\.")] == [
-        "layers.0.self_attn", "layers.2.self_attn"]
+        "layers.0.self_attn",
+        "layers.2.self_attn",
+    ]
     assert [lay.name for lay in find_attention_layers(model, layers=["layers.1.self_attn"])] == ["layers.1.self_attn"]
     with pytest.raises(ValueError, match=r"matches none.*layers\.0\.self_attn"):
         find_attention_layers(model, layers="decoder")
@@ -809,6 +949,7 @@ def test_head_weights_rejects_unknown_projection():
         lay.head_weights("keys")
 
 
+@pytest.mark.slow
 def test_discovery_does_not_import_transformers_for_plain_torch():
     import subprocess
     import sys

@@ -6,11 +6,13 @@ import math
 import re
 import subprocess
 import sys
+from itertools import pairwise
 
 import numpy as np
 import pytest
 import scipy.optimize
 
+from hdi_monitor.cli import main
 from hdi_monitor.contrib.allocation import (
     AllocationLaw,
     AllocationRun,
@@ -21,7 +23,6 @@ from hdi_monitor.contrib.allocation import (
     optimal_head_dim,
     recommend_allocation,
 )
-from hdi_monitor.cli import main
 
 TRUE = AllocationLaw(sigma2=0.05, a=2.0, alpha=0.8, c=3.0, beta=6.0, rho=0.3)
 
@@ -183,7 +184,7 @@ def test_dk_star_grows_roughly_linearly_in_log_n():
     # the discrete (divisor) recommendation is non-decreasing in N for every budget, and moves
     for D in (64, 96, 256, 384, 768, 1024, 3072, 4096, 12288):
         dims = [recommend_allocation(D, n, law).head_dim for n in ns]
-        assert all(b >= a for a, b in zip(dims, dims[1:])), (D, dims)
+        assert all(b >= a for a, b in pairwise(dims)), (D, dims)
         assert dims[-1] > dims[0]
 
 
@@ -215,7 +216,7 @@ def test_head_count_is_nearly_linear_in_budget():
         slope = np.polyfit(np.log(budgets), np.log(h_cont), 1)[0]
         assert 0.9 < slope <= 1.0
         h_disc = [recommend_allocation(D, N, law).num_heads for D in budgets]
-        assert all(b >= a for a, b in zip(h_disc, h_disc[1:]))
+        assert all(b >= a for a, b in pairwise(h_disc))
         # H*/D stays within a factor of 2 over two orders of magnitude of D
         ratios = np.array(h_disc) / np.array(budgets)
         assert ratios.max() / ratios.min() <= 2.0
@@ -523,6 +524,7 @@ def test_cli_argument_errors_exit_2():
         assert exc.value.code == 2
 
 
+@pytest.mark.slow
 def test_cli_subprocess_bad_csv_has_no_traceback(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("H,d_k,N\n8,8,1000\n")

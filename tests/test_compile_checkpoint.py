@@ -175,7 +175,7 @@ def check_measured_or_fell_back(history: list[dict], caught: list, weights, acts
                 assert h[f"hdi/{projection}/{prefix}{layer.name}"] == pytest.approx(layer.hdi[projection], rel=1e-6)
         keys = [f"effective_heads/{prefix}{layer.name}" for layer in weights.layers]
         if all(k in h for k in keys):
-            for key, layer in zip(keys, acts[step].layers):
+            for key, layer in zip(keys, acts[step].layers, strict=True):
                 assert h[key] == pytest.approx(layer.effective_heads, rel=1e-5), f"step {step}: {key}"
             measured.append(step)
         else:

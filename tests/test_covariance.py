@@ -118,7 +118,7 @@ def test_several_batches_of_varied_shapes_and_dtypes():
     batches = [torch.randn(*s, generator=gen) + offset for s in shapes]
     batches.append((torch.randn(4, 9, width, generator=gen) + offset).to(torch.float16))
     batches.append((torch.randn(6, width, generator=gen) + offset).to(torch.bfloat16))
-    batches.append((torch.randn(2, 5, 2 * width, generator=gen)[..., ::2] + offset))  # non-contiguous
+    batches.append(torch.randn(2, 5, 2 * width, generator=gen)[..., ::2] + offset)  # non-contiguous
     w_out = torch.randn(h, dim, d, generator=gen)
     acc = HeadCovarianceAccumulator(h, d, w_out=w_out)
     for b in batches:
@@ -296,9 +296,7 @@ def _peak_extra_bytes(fn) -> int:
     """Peak of net CPU allocations inside fn, from the profiler's per-op memory records in time order."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    records = sorted(
-        (e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage
-    )
+    records = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
     cur = peak = 0
     for _, nbytes in records:
         cur += nbytes
@@ -343,7 +341,7 @@ def test_memory_is_flat_in_the_number_of_tokens():
         acc = HeadCovarianceAccumulator(h, d, w_out=w_out, chunk_size=chunk, matmul_dtype="float32")
         acc.update(o[:1])  # allocate the state outside the measured call
         states.append(acc.state_nbytes)
-        peaks.append(_peak_extra_bytes(lambda: acc.update(o)))
+        peaks.append(_peak_extra_bytes(lambda acc=acc, o=o: acc.update(o)))
     assert states[0] == states[1] == (h * h + h * dim + 1) * 8
     # per chunk: two float64 copies of the head outputs, a float32 one, the float32 contributions
     chunk_bytes = chunk * (width * (8 + 8 + 4) + h * dim * 4)
@@ -427,7 +425,10 @@ def test_w_out_read_per_update_is_the_one_that_produced_the_outputs():
     current["w"] = w2
     acc.update(o2)
     current["w"] = torch.zeros_like(w2)  # what compute would see if it read W_O late
-    contrib = [np.stack([o[:, i * 3 : (i + 1) * 3].numpy() @ w[i].numpy().T for i in range(4)], 1) for o, w in ((o1, w1), (o2, w2))]
+    contrib = [
+        np.stack([o[:, i * 3 : (i + 1) * 3].numpy() @ w[i].numpy().T for i in range(4)], 1)
+        for o, w in ((o1, w1), (o2, w2))
+    ]
     c = np.concatenate(contrib)
     c = c - c.mean(axis=0)
     ref = np.einsum("tiD,tjD->ij", c, c) / c.shape[0]
@@ -449,7 +450,7 @@ def test_compute_results_batches_layers_with_one_transfer():
     one.update(torch.randn(1, 4))
     results = compute_results([*accs, empty, one], min_tokens=2)
     assert results[3] is None and results[4] is None and one.num_tokens == 1 and empty.num_tokens == 0
-    for res, ref in zip(results[:3], refs):
+    for res, ref in zip(results[:3], refs, strict=True):
         assert res.num_tokens == 60 and res.covariance.device.type == "cpu"
         assert_close(res.covariance, ref, rtol=1e-9)
         m = brute_metrics(ref)
@@ -561,6 +562,7 @@ def test_bad_inputs_raise_clear_errors():
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_rank_sync_equals_one_rank(tmp_path):
     gen = torch.Generator().manual_seed(13)
     h, d, dim = 3, 4, 8
@@ -671,9 +673,7 @@ def test_nw_theory_experiment_runs_and_splits_exactly(tmp_path):
     spec = importlib.util.spec_from_file_location("nw_theory", Path(__file__).parents[1] / "examples" / "nw_theory.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    result = module.main(
-        ["--out", str(tmp_path), "--angles", "3", "--resamples", "4", "--train", "40", "--test", "30"]
-    )
+    result = module.main(["--out", str(tmp_path), "--angles", "3", "--resamples", "4", "--train", "40", "--test", "30"])
     for name in ("nw_theory.png", "nw_theory.md", "nw_theory.json"):
         assert (tmp_path / name).stat().st_size > 0
     rows = result["rows"]

@@ -75,19 +75,25 @@ def check(model, out_proj_of, weight_of, padded: bool) -> None:
     for layer in report.layers:
         module = model.get_submodule(layer.name)
         seen = capture_inputs(out_proj_of(module), model, batches)
-        o = torch.cat([x[b["attention_mask"].bool()] for x, b in zip(seen, batches)])
+        o = torch.cat([x[b["attention_mask"].bool()] for x, b in zip(seen, batches, strict=True)])
         reference = brute_force_covariance(contributions_linear(o, weight_of(module)))
         assert layer.num_tokens == sum(int(b["attention_mask"].sum()) for b in batches)
-        torch.testing.assert_close(layer.covariance.double(), reference, rtol=1e-6, atol=1e-6 * reference.abs().max().item())
+        torch.testing.assert_close(
+            layer.covariance.double(), reference, rtol=1e-6, atol=1e-6 * reference.abs().max().item()
+        )
         corr = reference / torch.sqrt(torch.outer(reference.diag(), reference.diag()))
         torch.testing.assert_close(layer.correlation.double(), corr, rtol=1e-6, atol=1e-8)
-        assert layer.effective_heads == pytest.approx(H * reference.diag().sum().item() / reference.sum().item(), rel=1e-6)
+        assert layer.effective_heads == pytest.approx(
+            H * reference.diag().sum().item() / reference.sum().item(), rel=1e-6
+        )
 
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_bert(padded):
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=D, num_hidden_layers=2, num_attention_heads=H, intermediate_size=48)
+    cfg = transformers.BertConfig(
+        vocab_size=64, hidden_size=D, num_hidden_layers=2, num_attention_heads=H, intermediate_size=48
+    )
     model = transformers.BertModel(cfg)
     check(model, lambda m: m.output.dense, lambda m: m.output.dense.weight, padded)
 
@@ -105,8 +111,13 @@ def test_gpt2(padded):
 def test_llama_grouped_query(padded):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=D, num_hidden_layers=2, num_attention_heads=H, num_key_value_heads=2,
-        intermediate_size=48, max_position_embeddings=32,
+        vocab_size=64,
+        hidden_size=D,
+        num_hidden_layers=2,
+        num_attention_heads=H,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        max_position_embeddings=32,
     )
     model = transformers.LlamaModel(cfg)
     check(model, lambda m: m.o_proj, lambda m: m.o_proj.weight, padded)
@@ -127,13 +138,15 @@ def test_torch_multihead_attention(padded):
             kpm[1, -2:] = True
             kpm[2, -4:] = True
         masks.append(kpm)
-    batches = [{"src": x, "src_key_padding_mask": m} for x, m in zip(xs, masks)]
+    batches = [{"src": x, "src_key_padding_mask": m} for x, m in zip(xs, masks, strict=True)]
     report = head_diversity(model, inputs=batches)
 
     # layer inputs, captured from the encoder itself
     seen: dict[int, list[torch.Tensor]] = {0: [], 1: []}
     handles = [
-        model.layers[i].self_attn.register_forward_pre_hook(lambda m, a, kw, i=i: seen[i].append(a[0]), with_kwargs=True)
+        model.layers[i].self_attn.register_forward_pre_hook(
+            lambda m, a, kw, i=i: seen[i].append(a[0]), with_kwargs=True
+        )
         for i in range(2)
     ]
     torch.backends.mha.set_fastpath_enabled(False)
@@ -148,7 +161,7 @@ def test_torch_multihead_attention(padded):
     for i, layer_report in enumerate(report.layers):
         attn = model.layers[i].self_attn
         contribs = []
-        for x, kpm in zip(seen[i], masks):
+        for x, kpm in zip(seen[i], masks, strict=True):
             with torch.no_grad():
                 _, probs = attn(x, x, x, key_padding_mask=kpm, need_weights=True, average_attn_weights=False)
             w_v = attn.in_proj_weight[2 * D :].double()
@@ -158,5 +171,7 @@ def test_torch_multihead_attention(padded):
             o = (probs.double() @ v).transpose(1, 2).reshape(*x.shape[:2], D)  # (B, T, H*d)
             contribs.append(contributions_linear(o[~kpm], attn.out_proj.weight))
         reference = brute_force_covariance(torch.cat(contribs))
-        torch.testing.assert_close(layer_report.covariance.double(), reference, rtol=1e-6, atol=1e-6 * reference.abs().max().item())
+        torch.testing.assert_close(
+            layer_report.covariance.double(), reference, rtol=1e-6, atol=1e-6 * reference.abs().max().item()
+        )
         assert layer_report.num_tokens == sum(int((~m).sum()) for m in masks)

@@ -41,8 +41,26 @@ def _spectral_key_hdi(in_proj_weight: np.ndarray, num_heads: int) -> float:
 
 
 def test_demo_writes_dashboards_and_a_checkpoint_the_report_reads(tmp_path, capsys):
-    code = main(["demo", "--out", str(tmp_path), "--steps", "6", "--every", "3", "--images-every", "3",
-                 "--d-model", "32", "--heads", "4", "--layers", "2", "--no-progress"])
+    code = main(
+        [
+            "demo",
+            "--out",
+            str(tmp_path),
+            "--steps",
+            "6",
+            "--every",
+            "3",
+            "--images-every",
+            "3",
+            "--d-model",
+            "32",
+            "--heads",
+            "4",
+            "--layers",
+            "2",
+            "--no-progress",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "tensorboard --logdir" in out
@@ -53,7 +71,7 @@ def test_demo_writes_dashboards_and_a_checkpoint_the_report_reads(tmp_path, caps
     assert any(t.startswith("overlap/key/") for acc in accs for t in acc.Tags()["images"])
 
     # The demo's suggested command, run exactly as printed, reads the checkpoint it saved.
-    line = next(l for l in out.splitlines() if "hdi-monitor report" in l)
+    line = next(ln for ln in out.splitlines() if "hdi-monitor report" in ln)
     argv = shlex.split(line.split("hdi-monitor", 1)[1])
     ckpt = Path(argv[1])
     assert ckpt == tmp_path / "demo" / "version_0" / "checkpoints" / "last.ckpt" and ckpt.is_file()
@@ -72,14 +90,32 @@ def test_demo_bad_arguments_exit_2(capsys):
     assert "divisible" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_lightning_cli_config(tmp_path):
     cmd = [
-        sys.executable, str(ROOT / "examples" / "lightning_cli.py"), "fit",
-        "--config", str(ROOT / "configs" / "demo.yaml"),
-        "--trainer.max_steps", "4", "--trainer.val_check_interval", "null", "--trainer.limit_val_batches", "0",
-        "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
-        "--model.init_args.d_model", "32", "--model.init_args.num_heads", "4", "--model.init_args.num_layers", "1",
-        "--trainer.callbacks.init_args.every_n_steps", "2",
+        sys.executable,
+        str(ROOT / "examples" / "lightning_cli.py"),
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "demo.yaml"),
+        "--trainer.max_steps",
+        "4",
+        "--trainer.val_check_interval",
+        "null",
+        "--trainer.limit_val_batches",
+        "0",
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--model.init_args.d_model",
+        "32",
+        "--model.init_args.num_heads",
+        "4",
+        "--model.init_args.num_layers",
+        "1",
+        "--trainer.callbacks.init_args.every_n_steps",
+        "2",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -8,23 +8,19 @@ structure and forward pass.
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+from family_cases import CASES, build, text_image_batch
+from kernel_capture import run_and_check, zero_biases
 from torch import nn
 
 from hdi_monitor import head_diversity
 from hdi_monitor.models import AttentionSpec, SkippedModule, discover_attention, find_attention_layers
 from hdi_monitor.report import DiversityReport
-
-sys.path.insert(0, os.path.dirname(__file__))
-from kernel_capture import run_and_check, zero_biases  # noqa: E402
-from test_families import CASES, build, text_image_batch  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 D, H, V = 32, 4, 64
@@ -49,8 +45,9 @@ def _collapse_interleaved(weight: torch.Tensor, heads: int) -> None:
 def test_gpt_bigcode_without_multi_query_reads_interleaved_heads():
     """On main the GPT-2 adapter split c_attn into three equal blocks: collapsed heads read 0.66."""
     torch.manual_seed(0)
-    model = transformers.GPTBigCodeModel(transformers.GPTBigCodeConfig(vocab_size=V, n_embd=D, n_layer=2, n_head=H,
-                                                                       multi_query=False)).eval()
+    model = transformers.GPTBigCodeModel(
+        transformers.GPTBigCodeConfig(vocab_size=V, n_embd=D, n_layer=2, n_head=H, multi_query=False)
+    ).eval()
     for block in model.h:
         _collapse_interleaved(block.attn.c_attn.weight, H)
     report = _quiet(head_diversity, model, projections=("query", "key"))
@@ -62,19 +59,28 @@ def test_gpt_bigcode_without_multi_query_reads_interleaved_heads():
 
 def test_gpt_neox_collapsed_heads_read_zero_and_packed_spec_warns():
     torch.manual_seed(0)
-    model = transformers.GPTNeoXModel(transformers.GPTNeoXConfig(vocab_size=V, hidden_size=D, num_hidden_layers=1,
-                                                                 num_attention_heads=H, intermediate_size=37)).eval()
+    model = transformers.GPTNeoXModel(
+        transformers.GPTNeoXConfig(
+            vocab_size=V, hidden_size=D, num_hidden_layers=1, num_attention_heads=H, intermediate_size=37
+        )
+    ).eval()
     attn = model.layers[0].attention
     _collapse_interleaved(attn.query_key_value.weight, H)
     assert abs(_quiet(head_diversity, model, projections=("query",)).layers[0].hdi["query"]) < 1e-6
     # the layout said in a spec reads the same
-    spec = AttentionSpec(modules=r"layers\.\d+\.attention", qkv="query_key_value", qkv_layout="interleaved",
-                         output="dense")
+    spec = AttentionSpec(
+        modules=r"layers\.\d+\.attention", qkv="query_key_value", qkv_layout="interleaved", output="dense"
+    )
     assert abs(_quiet(head_diversity, model, projections=("query",), spec=spec).layers[0].hdi["query"]) < 1e-6
     # the old README recipe (contiguous slices through callables) cannot be checked: it warns
-    old = AttentionSpec(modules=r"layers\.\d+\.attention", query=lambda m: m.query_key_value.weight[:D],
-                        key=lambda m: m.query_key_value.weight[D : 2 * D],
-                        value=lambda m: m.query_key_value.weight[2 * D :], output="dense", num_heads=H)
+    old = AttentionSpec(
+        modules=r"layers\.\d+\.attention",
+        query=lambda m: m.query_key_value.weight[:D],
+        key=lambda m: m.query_key_value.weight[D : 2 * D],
+        value=lambda m: m.query_key_value.weight[2 * D :],
+        output="dense",
+        num_heads=H,
+    )
     with pytest.warns(UserWarning, match="slices of one fused weight"):
         wrong = head_diversity(model, projections=("query",), spec=old)
     assert wrong.layers[0].hdi["query"] > 0.3  # what it reads is indeed wrong; the warning says so
@@ -172,10 +178,23 @@ def test_unknown_attention_modules_are_listed_in_report_table_and_dict():
 def test_spec_list_combines_with_builtins_and_wins_where_both_match():
     model = build(_case("clip"))
     # override only the vision tower; the text tower stays with the built-in entry
-    spec = AttentionSpec(modules=r"vision_model\.encoder\.layers\.\d+\.self_attn", query="q_proj", key="k_proj",
-                         value="v_proj", output="out_proj", family="my_vision")
-    extra = AttentionSpec(modules=r"text_model\.encoder\.layers\.0\.self_attn", query="q_proj", key="k_proj",
-                          value="v_proj", output="out_proj", family="my_text", mask_key="my_mask")
+    spec = AttentionSpec(
+        modules=r"vision_model\.encoder\.layers\.\d+\.self_attn",
+        query="q_proj",
+        key="k_proj",
+        value="v_proj",
+        output="out_proj",
+        family="my_vision",
+    )
+    extra = AttentionSpec(
+        modules=r"text_model\.encoder\.layers\.0\.self_attn",
+        query="q_proj",
+        key="k_proj",
+        value="v_proj",
+        output="out_proj",
+        family="my_text",
+        mask_key="my_mask",
+    )
     layers = _quiet(find_attention_layers, model, spec=[spec, extra])
     fams = {lay.name: (lay.family, lay.num_heads, lay.mask_key) for lay in layers}
     assert fams == {
@@ -184,14 +203,15 @@ def test_spec_list_combines_with_builtins_and_wins_where_both_match():
         "vision_model.encoder.layers.1.self_attn": ("my_vision", 2, None),
     }
     builtin = _quiet(find_attention_layers, model)
-    for a, b in zip(builtin, layers):
+    for a, b in zip(builtin, layers, strict=True):
         torch.testing.assert_close(a.head_weights("key"), b.head_weights("key"))
 
 
 def test_spec_that_matches_nothing_is_an_error():
     with pytest.raises(ValueError, match="matched no module"):
-        find_attention_layers(nn.MultiheadAttention(D, H), spec=[AttentionSpec(modules="nope", query="a", key="b",
-                                                                               value="c", output="d")])
+        find_attention_layers(
+            nn.MultiheadAttention(D, H), spec=[AttentionSpec(modules="nope", query="a", key="b", value="c", output="d")]
+        )
 
 
 # ------------------------------------------------------------------------------ q/k norms, MLA
@@ -204,13 +224,17 @@ def test_qk_norm_layers_are_measured_on_their_projection_weights(name):
     report = _quiet(head_diversity, model, projections=("query", "key"), weighting="uniform")
     from scipy.linalg import orth
 
-    for lay, found in zip(report.layers, _quiet(find_attention_layers, model)):
+    for lay, found in zip(report.layers, _quiet(find_attention_layers, model), strict=True):
         attn = found.module
         for proj, lin, heads in (("query", attn.q_proj, H), ("key", attn.k_proj, 2)):
             w = rearrange(lin.weight.detach().double(), "(h d) m -> h m d", h=heads).numpy()
             bases = [orth(w[i]) for i in range(heads)]
-            rho = [((bases[i].T @ bases[j]) ** 2).sum() / min(bases[i].shape[1], bases[j].shape[1])
-                   for i in range(heads) for j in range(heads) if i != j]
+            rho = [
+                ((bases[i].T @ bases[j]) ** 2).sum() / min(bases[i].shape[1], bases[j].shape[1])
+                for i in range(heads)
+                for j in range(heads)
+                if i != j
+            ]
             assert abs(lay.hdi[proj] - (1 - sum(rho) / len(rho))) < 1e-5
 
 
@@ -237,8 +261,18 @@ def test_mla_composed_maps_and_rope_note():
 def test_litgpt_gpt_grouped_query():
     litgpt = pytest.importorskip("litgpt")
     torch.manual_seed(0)
-    cfg = litgpt.Config(block_size=16, vocab_size=V, padded_vocab_size=V, n_layer=2, n_head=H, n_query_groups=2,
-                        n_embd=D, head_size=8, bias=True, rotary_percentage=1.0)
+    cfg = litgpt.Config(
+        block_size=16,
+        vocab_size=V,
+        padded_vocab_size=V,
+        n_layer=2,
+        n_head=H,
+        n_query_groups=2,
+        n_embd=D,
+        head_size=8,
+        bias=True,
+        rotary_percentage=1.0,
+    )
     model = litgpt.GPT(cfg).eval()
     zero_biases(model)
     layers = _quiet(find_attention_layers, model)
@@ -250,11 +284,13 @@ def test_litgpt_gpt_grouped_query():
 def test_x_transformers_gqa_maps_query_head_h_to_h_mod_kv():
     xt = pytest.importorskip("x_transformers")
     torch.manual_seed(0)
-    model = xt.TransformerWrapper(num_tokens=V, max_seq_len=16, attn_layers=xt.Decoder(
-        dim=D, depth=2, heads=H, attn_kv_heads=2, attn_dim_head=8)).eval()
+    model = xt.TransformerWrapper(
+        num_tokens=V, max_seq_len=16, attn_layers=xt.Decoder(dim=D, depth=2, heads=H, attn_kv_heads=2, attn_dim_head=8)
+    ).eval()
     layers = _quiet(find_attention_layers, model)
-    assert [(lay.family, lay.num_heads, lay.num_kv_heads, lay.kv_map) for lay in layers] == \
-        [("x_transformers", H, 2, "modulo")] * 2
+    assert [(lay.family, lay.num_heads, lay.num_kv_heads, lay.kv_map) for lay in layers] == [
+        ("x_transformers", H, 2, "modulo")
+    ] * 2
     assert [layers[0].kv_head(h) for h in range(H)] == [0, 1, 0, 1]
     x = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(0))
     assert set(run_and_check(model, layers, lambda: model(x)).values()) == {"ok"}
@@ -287,11 +323,27 @@ def test_qwen2_vl_vision_tower_fused_qkv_against_its_kernel():
     """The vision tower's qkv is reshaped (tokens, 3, H, d): contiguous, tied to its classes."""
     torch.manual_seed(0)
     cfg = transformers.Qwen2VLConfig(
-        text_config=dict(vocab_size=V, hidden_size=D, num_hidden_layers=1, num_attention_heads=H, num_key_value_heads=2,
-                         intermediate_size=37, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2],
-                                                                "rope_theta": 10000.0}),
-        vision_config=dict(depth=2, embed_dim=D, hidden_size=D, num_heads=H, mlp_ratio=2, patch_size=4,
-                           temporal_patch_size=2, spatial_merge_size=2, in_channels=3))
+        text_config=dict(
+            vocab_size=V,
+            hidden_size=D,
+            num_hidden_layers=1,
+            num_attention_heads=H,
+            num_key_value_heads=2,
+            intermediate_size=37,
+            rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0},
+        ),
+        vision_config=dict(
+            depth=2,
+            embed_dim=D,
+            hidden_size=D,
+            num_heads=H,
+            mlp_ratio=2,
+            patch_size=4,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            in_channels=3,
+        ),
+    )
     model = transformers.Qwen2VLModel(cfg).eval()
     zero_biases(model)
     found = _quiet(discover_attention, model)

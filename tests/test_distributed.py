@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import read_events, scalar_series
+
 from hdi_monitor import head_diversity
 
 SCRIPT = Path(__file__).parent / "scripts" / "dist_monitor.py"
@@ -55,9 +55,7 @@ def launch(out: Path, *extra: str, pg_timeout: float = 60.0) -> subprocess.Compl
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::DeprecationWarning")
     cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--pg-timeout", str(pg_timeout), *ARGS, *extra]
     try:
-        proc = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=SCRIPT.parents[2]
-        )
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=SCRIPT.parents[2])
     except subprocess.TimeoutExpired as err:
         tail = (err.stderr or b"")[-3000:]
         pytest.fail(f"{' '.join(cmd[2:])} did not finish in {TIMEOUT_S} s (deadlock?)\n{tail}")
@@ -133,6 +131,7 @@ def reference():
 # -------------------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.slow
 def test_runs_finish_on_every_rank(dist_run):
     strategy, out = dist_run
     ranks = summaries(out)
@@ -145,6 +144,7 @@ def test_runs_finish_on_every_rank(dist_run):
     assert ranks[0]["dtensor_parameters"] is (strategy == "fsdp2")
 
 
+@pytest.mark.slow
 def test_exactly_one_event_file_holds_hdi_scalars(dist_run):
     _, out = dist_run
     files = hdi_event_files(out)
@@ -154,6 +154,7 @@ def test_exactly_one_event_file_holds_hdi_scalars(dist_run):
         assert sorted(scalar_series(accs, f"hdi/key/{layer}")) == MEASURED  # no duplicate points either
 
 
+@pytest.mark.slow
 def test_logged_hdi_equals_unsharded_head_diversity(dist_run, reference):
     _, out = dist_run
     weights, _ = reference
@@ -171,6 +172,7 @@ def test_logged_hdi_equals_unsharded_head_diversity(dist_run, reference):
         assert mean[4] == pytest.approx(weights.mean_hdi(projection), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_covariance_summed_over_ranks_equals_single_process(dist_run, single_run, reference):
     _, out = dist_run
     _, acts = reference
@@ -199,6 +201,7 @@ def test_covariance_summed_over_ranks_equals_single_process(dist_run, single_run
             assert logged == pytest.approx(layer.effective_heads, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_fsdp2_gathers_one_layer_at_a_time(runs):
     """Peak memory of the weight measurement stays at one layer: no two encoder layers' gathered
     (``full_tensor()``) weights are alive at the same time."""
@@ -210,6 +213,7 @@ def test_fsdp2_gathers_one_layer_at_a_time(runs):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["report", "hook", "compute"])
 def test_failure_on_one_rank_does_not_hang(where, tmp_path):
     """Monitoring raises on rank 1 at step 2 only (while measuring the weights, or inside the
@@ -240,7 +244,10 @@ def test_scale_benchmark_smoke_run():
     bench = load_module("bench_hdi_scale", SCRIPT.parents[2] / "benchmarks" / "bench_hdi_scale.py")
     results = bench.main(["--device", "cpu", "--small", "--repeats", "1"])
     assert [(r["shape"].name, r["variant"]) for r in results] == [
-        ("7b-small", "batched"), ("7b-small", "per-layer"), ("70b-small", "batched"), ("70b-small", "per-layer")
+        ("7b-small", "batched"),
+        ("7b-small", "per-layer"),
+        ("70b-small", "batched"),
+        ("70b-small", "per-layer"),
     ]
     for r in results:
         shape = r["shape"]

@@ -40,7 +40,8 @@ WEIGHTINGS = ("spectral", "uniform")
 DEVICES = [
     "cpu",
     pytest.param(
-        "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+        "cuda",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
     ),
 ]
 HYPO = settings(max_examples=20, deadline=None, derandomize=True)

@@ -209,7 +209,19 @@ def _run_blocks(page: Path, tmp_path: Path, monkeypatch, slow: bool) -> None:
             assert eval(block.opts["check"], namespace), f"{block.where}: {block.opts['check']} is false"
 
 
-@pytest.mark.parametrize("page", _pages_to_run(slow=False), ids=lambda p: str(p.relative_to(ROOT)))
+def _quick_pages() -> list:
+    """The pages of the quick set; a page with a shell block (a subprocess) goes to the slow set."""
+    params = []
+    for page in _pages_to_run(slow=False):
+        shell = any(
+            b.page == page and b.lang == "bash" and b.options is not None and "skip" not in b.options
+            for b in ALL_BLOCKS
+        )
+        params.append(pytest.param(page, marks=pytest.mark.slow) if shell else page)
+    return params
+
+
+@pytest.mark.parametrize("page", _quick_pages(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_blocks_run(page, tmp_path, monkeypatch):
     _run_page(page, tmp_path, monkeypatch, slow=False)
 

@@ -8,18 +8,22 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import loader, read_events, tiny_lm, trainer
 
-from conftest import read_events
 from hdi_monitor import DiversityEvent, DiversityWarning, HDIMonitor
-from test_callback import loader, tiny_lm, trainer
 
 LAYER0 = "encoder.layers.0.self_attn"
 
 
 def test_flat_hdi_fires_saturation_and_stop_ends_training_early(tmp_path):
     monitor = HDIMonitor(
-        every_n_steps=2, projections=("key",), activations=False, patience=3, warmup_steps=0,
-        on_saturation="stop", strict=True,
+        every_n_steps=2,
+        projections=("key",),
+        activations=False,
+        patience=3,
+        warmup_steps=0,
+        on_saturation="stop",
+        strict=True,
     )
     t = trainer(tmp_path, monitor, max_steps=40)
     with pytest.warns(DiversityWarning, match="step 6: saturation in 2 layers and the model mean"):
@@ -31,8 +35,12 @@ def test_flat_hdi_fires_saturation_and_stop_ends_training_early(tmp_path):
     accs = read_events(t.logger.log_dir)
     texts = {tag for acc in accs for tag in acc.Tags()["tensors"] if tag.startswith("diversity_events")}
     assert any("saturation" in tag for tag in texts)
-    flags = [ev for acc in accs if "diversity_events/saturation" in acc.Tags()["scalars"]
-             for ev in acc.Scalars("diversity_events/saturation")]
+    flags = [
+        ev
+        for acc in accs
+        if "diversity_events/saturation" in acc.Tags()["scalars"]
+        for ev in acc.Scalars("diversity_events/saturation")
+    ]
     assert [f.step for f in flags] == [6] and flags[0].value >= 1
 
 
@@ -56,7 +64,9 @@ def test_tied_key_heads_get_a_redundancy_warning(tmp_path):
     model = tiny_lm(lr=0.0)
     _tie_key_heads(model, layer=0, a=1, b=3)
     events: list[DiversityEvent] = []
-    monitor = HDIMonitor(every_n_steps=2, projections=("key",), warmup_steps=0, on_saturation=events.append, strict=True)
+    monitor = HDIMonitor(
+        every_n_steps=2, projections=("key",), warmup_steps=0, on_saturation=events.append, strict=True
+    )
     trainer(tmp_path, monitor, max_steps=3).fit(model, loader())
     redundant = [e for e in events if e.kind == "redundancy" and e.projection == "key"]
     assert len(redundant) == 1  # once, not at every measurement
@@ -76,8 +86,15 @@ def _warnings_of(fit) -> list[str]:
 
 def test_resumed_run_warns_exactly_like_an_uninterrupted_one(tmp_path):
     def monitor():
-        return HDIMonitor(every_n_steps=2, projections=("key", "query"), activations=False, patience=2,
-                          warmup_steps=4, redundancy_threshold=0.99, strict=True)
+        return HDIMonitor(
+            every_n_steps=2,
+            projections=("key", "query"),
+            activations=False,
+            patience=2,
+            warmup_steps=4,
+            redundancy_threshold=0.99,
+            strict=True,
+        )
 
     def model():
         m = tiny_lm(lr=0.0)
@@ -90,11 +107,15 @@ def test_resumed_run_warns_exactly_like_an_uninterrupted_one(tmp_path):
 
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=7)
     first = monitor()
-    part1 = _warnings_of(lambda: trainer(tmp_path / "b", [first, ckpt], max_steps=7, enable_checkpointing=True)
-                         .fit(model(), loader()))
+    part1 = _warnings_of(
+        lambda: trainer(tmp_path / "b", [first, ckpt], max_steps=7, enable_checkpointing=True).fit(model(), loader())
+    )
     second = monitor()
-    part2 = _warnings_of(lambda: trainer(tmp_path / "b", [second], max_steps=16)
-                         .fit(model(), loader(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")))
+    part2 = _warnings_of(
+        lambda: trainer(tmp_path / "b", [second], max_steps=16).fit(
+            model(), loader(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")
+        )
+    )
     assert part1 and part2
     assert part1 + part2 == whole
     assert [e.to_dict() for e in second.tracker.events] == [e.to_dict() for e in full.tracker.events]
@@ -121,12 +142,14 @@ def test_at_most_one_warning_per_measured_step_pointing_at_user_code(tmp_path):
     per_step = {s: sum(e.step == s for e in events) for s in steps}
     assert max(per_step.values()) >= 5  # the test is not vacuous: many events share a step
     assert len(ours) == len(steps) <= len(monitor.history)
-    for w, step in zip(ours, steps):
+    for w, step in zip(ours, steps, strict=True):
         assert w.filename == __file__ and w.lineno == fit_line, (w.filename, w.lineno)
         if per_step[step] > 1:
             assert str(w.message).startswith(f"hdi-monitor step {step}: ")
             assert "see the Text tab" in str(w.message)
     assert "2 redundant head pairs in 2 layers" in str(ours[0].message)
     accs = read_events(t.logger.log_dir)
-    texts = sum(len(acc.Tensors(tag)) for acc in accs for tag in acc.Tags()["tensors"] if tag.startswith("diversity_events"))
+    texts = sum(
+        len(acc.Tensors(tag)) for acc in accs for tag in acc.Tags()["tensors"] if tag.startswith("diversity_events")
+    )
     assert texts == len(events)

@@ -72,6 +72,7 @@ def reference():
     return model, batches, weights, acts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 def test_fsdp1_hdi_equals_unsharded_head_diversity(runs, reference, config):
     _, _, weights, _ = reference
@@ -86,6 +87,7 @@ def test_fsdp1_hdi_equals_unsharded_head_diversity(runs, reference, config):
                 assert per_proj[proj] == pytest.approx(hdis[name][proj], rel=1e-6), (config, name, proj)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 def test_fsdp1_covariance_equals_single_process_global_batch(runs, reference, config):
     _, batches, _, acts = reference
@@ -98,6 +100,7 @@ def test_fsdp1_covariance_equals_single_process_global_batch(runs, reference, co
             torch.testing.assert_close(step["covariance"][i].double(), lay.covariance.double(), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 def test_fsdp1_unshards_one_unit_at_a_time(runs, config):
     """Peak extra memory is one FSDP unit (one encoder layer), plus the root's own parameters once,
@@ -110,6 +113,7 @@ def test_fsdp1_unshards_one_unit_at_a_time(runs, config):
     assert all(n >= script.NUM_LAYERS for n in run["summons_per_step"])  # weights really were summoned
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 def test_fsdp1_training_unaffected(runs, reference, config):
     """Forward passes after the measurements (the first one before FSDP1's lazy init) give the
@@ -120,6 +124,7 @@ def test_fsdp1_training_unaffected(runs, reference, config):
     assert runs[config]["losses"] == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 def test_fsdp1_angle_histograms_match_scipy(runs, reference, config):
     model, _, _, _ = reference
@@ -135,6 +140,7 @@ def test_fsdp1_angle_histograms_match_scipy(runs, reference, config):
         np.testing.assert_allclose(got, np.sort(expected), atol=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 def test_fsdp1_without_root_warns_what_to_pass(runs, config):
     run = runs[config]
@@ -185,8 +191,12 @@ def test_discovery_reports_names_without_wrapper_segments():
     # the layers= filter and AttentionSpec regexes see the same names
     assert [lay.name for lay in find_attention_layers(wrapped, layers=[names[1]])] == [names[1]]
     spec = AttentionSpec(
-        modules=r"encoder\.layers\.\d+\.self_attn", query="out_proj", key="out_proj", value="out_proj",
-        output="out_proj", num_heads=4,
+        modules=r"encoder\.layers\.\d+\.self_attn",
+        query="out_proj",
+        key="out_proj",
+        value="out_proj",
+        output="out_proj",
+        num_heads=4,
     )
     assert [lay.name for lay in find_attention_layers(wrapped, spec=spec)] == names
     # and the weights are those of the unwrapped model

@@ -31,9 +31,17 @@ ALL = ("query", "key", "value", "output")
 
 
 def _llama():
-    return transformers.LlamaModel(transformers.LlamaConfig(
-        vocab_size=V, hidden_size=D, num_hidden_layers=2, num_attention_heads=H, num_key_value_heads=2,
-        intermediate_size=37, max_position_embeddings=64))
+    return transformers.LlamaModel(
+        transformers.LlamaConfig(
+            vocab_size=V,
+            hidden_size=D,
+            num_hidden_layers=2,
+            num_attention_heads=H,
+            num_key_value_heads=2,
+            intermediate_size=37,
+            max_position_embeddings=64,
+        )
+    )
 
 
 def _gpt2():
@@ -41,14 +49,27 @@ def _gpt2():
 
 
 def _bert():
-    return transformers.BertModel(transformers.BertConfig(vocab_size=V, hidden_size=D, num_hidden_layers=2,
-                                                          num_attention_heads=H, intermediate_size=37))
+    return transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=V, hidden_size=D, num_hidden_layers=2, num_attention_heads=H, intermediate_size=37
+        )
+    )
 
 
 def _bart():
-    return transformers.BartModel(transformers.BartConfig(
-        vocab_size=V, d_model=D, encoder_layers=1, decoder_layers=1, encoder_attention_heads=H,
-        decoder_attention_heads=H, encoder_ffn_dim=37, decoder_ffn_dim=37, max_position_embeddings=64))
+    return transformers.BartModel(
+        transformers.BartConfig(
+            vocab_size=V,
+            d_model=D,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=H,
+            decoder_attention_heads=H,
+            encoder_ffn_dim=37,
+            decoder_ffn_dim=37,
+            max_position_embeddings=64,
+        )
+    )
 
 
 CASES = {
@@ -71,19 +92,20 @@ def test_peft_lora_hdi_equals_merged_model(name):
     make, targets, fan_in_fan_out = CASES[name]
     torch.manual_seed(0)
     base = make().eval()
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False,
-                          fan_in_fan_out=fan_in_fan_out)
+    cfg = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, fan_in_fan_out=fan_in_fan_out
+    )
     wrapped = peft.get_peft_model(base, cfg).eval()
     before = {k: v.clone() for k, v in wrapped.state_dict().items()}
     merged = copy.deepcopy(wrapped).merge_and_unload()
     got, ref = _hdi(wrapped), _hdi(merged)
     assert len(got) == len(ref) > 0
-    for g, r in zip(got, ref):
+    for g, r in zip(got, ref, strict=True):
         for p in ALL:
             assert abs(g[p] - r[p]) < 1e-6, (p, g[p], r[p])
     # the LoRA update moves the HDI: measuring the frozen base would not be the same
     plain = _hdi(_base_copy(wrapped))
-    assert max(abs(g[p] - b[p]) for g, b in zip(got, plain) for p in ALL) > 1e-3
+    assert max(abs(g[p] - b[p]) for g, b in zip(got, plain, strict=True) for p in ALL) > 1e-3
     # never written back
     after = wrapped.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
@@ -96,8 +118,12 @@ def _base_copy(wrapped):
 
 def test_peft_merged_or_disabled_adapters_read_the_base_weight():
     torch.manual_seed(0)
-    wrapped = peft.get_peft_model(_llama().eval(), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False))
+    wrapped = peft.get_peft_model(
+        _llama().eval(),
+        peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False
+        ),
+    )
     effective = find_attention_layers(wrapped)[0].head_weights("key")
     wrapped.merge_adapter()  # peft writes W + BA into the base weight itself
     torch.testing.assert_close(find_attention_layers(wrapped)[0].head_weights("key"), effective)

@@ -38,14 +38,27 @@ def run_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prune")
     lines = _docstring_lines(48)
     (tmp / "inputs.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    rc = main([
-        "prune", str(MODEL), "--inputs", str(tmp / "inputs.txt"), "--fraction", "0.2", "--out", str(tmp / "out"),
-        "--rank", "diversity", "--rank", "random",
-    ])
+    rc = main(
+        [
+            "prune",
+            str(MODEL),
+            "--inputs",
+            str(tmp / "inputs.txt"),
+            "--fraction",
+            "0.2",
+            "--out",
+            str(tmp / "out"),
+            "--rank",
+            "diversity",
+            "--rank",
+            "random",
+        ]
+    )
     assert rc == 0
     return tmp, lines
 
 
+@pytest.mark.slow
 def test_prune_cli_writes_results_that_match_an_independent_recomputation(run_dir):
     tmp, lines = run_dir
     result = json.loads((tmp / "out" / "results.json").read_text())
@@ -54,7 +67,10 @@ def test_prune_cli_writes_results_that_match_an_independent_recomputation(run_di
     assert result["heads"] == 72 and result["heldout_sentences"] == 32  # 3 batches of 16, 16, 16: 1 ranks, 2 held out
     rows = result["rows"]
     assert [(r["ranking"], r["fraction"], r["removed"]) for r in rows] == [
-        ("diversity", 0.1, 7), ("diversity", 0.2, 14), ("random", 0.1, 7), ("random", 0.2, 14)
+        ("diversity", 0.1, 7),
+        ("diversity", 0.2, 14),
+        ("random", 0.1, 7),
+        ("random", 0.2, 14),
     ]
     # independent reference: the held-out sentences embedded by hand with out-projection columns zeroed
     tok = transformers.AutoTokenizer.from_pretrained(str(MODEL))

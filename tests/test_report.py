@@ -55,8 +55,12 @@ def hdi_spectral_bruteforce(heads: list[np.ndarray]) -> float:
 def hdi_uniform_scipy(heads: list[np.ndarray]) -> float:
     from scipy.linalg import subspace_angles
 
-    vals = [np.mean(np.cos(subspace_angles(wi, wj)) ** 2)
-            for i, wi in enumerate(heads) for j, wj in enumerate(heads) if i != j]
+    vals = [
+        np.mean(np.cos(subspace_angles(wi, wj)) ** 2)
+        for i, wi in enumerate(heads)
+        for j, wj in enumerate(heads)
+        if i != j
+    ]
     return 1.0 - float(np.mean(vals))
 
 
@@ -85,7 +89,7 @@ def test_batched_once_per_projection_and_values_match_bruteforce(monkeypatch):
     monkeypatch.setattr(report_mod, "subspace_overlap", counting)
     rep = compute_report(layers, projections=ALL)
     assert calls == [(4, H, D, D // H)] * 4  # one batched call per projection, all 4 layers stacked
-    for lay, res in zip(layers, rep.layers):
+    for lay, res in zip(layers, rep.layers, strict=True):
         for proj in ALL:
             ref = hdi_spectral_bruteforce(mha_heads_numpy(lay.module, proj))
             assert res.hdi[proj] == pytest.approx(ref, abs=1e-5)
@@ -97,7 +101,7 @@ def test_uniform_weighting_matches_scipy():
     model = encoder(2)
     rep = head_diversity(model, projections=("query", "key"), weighting="uniform")
     assert rep.weighting == "uniform"
-    for lay, res in zip(find_attention_layers(model), rep.layers):
+    for lay, res in zip(find_attention_layers(model), rep.layers, strict=True):
         for proj in ("query", "key"):
             assert res.hdi[proj] == pytest.approx(hdi_uniform_scipy(mha_heads_numpy(lay.module, proj)), abs=1e-5)
             assert res.chance_hdi[proj] == pytest.approx(1 - (D // H) / D)
@@ -105,12 +109,17 @@ def test_uniform_weighting_matches_scipy():
 
 def test_mixed_shapes_are_grouped(monkeypatch):
     torch.manual_seed(0)
-    model = nn.ModuleDict({
-        "a": nn.MultiheadAttention(D, H), "b": nn.MultiheadAttention(D, 2),
-        "c": nn.MultiheadAttention(D, H), "x": nn.MultiheadAttention(D, H, kdim=24, vdim=24),
-    })
+    model = nn.ModuleDict(
+        {
+            "a": nn.MultiheadAttention(D, H),
+            "b": nn.MultiheadAttention(D, 2),
+            "c": nn.MultiheadAttention(D, H),
+            "x": nn.MultiheadAttention(D, H, kdim=24, vdim=24),
+        }
+    )
     calls = []
     real = report_mod.subspace_overlap
+
     def counting(w, wt="spectral", **k):
         calls.append(w.shape)
         return real(w, wt, **k)
@@ -118,7 +127,7 @@ def test_mixed_shapes_are_grouped(monkeypatch):
     monkeypatch.setattr(report_mod, "subspace_overlap", counting)
     rep = head_diversity(model, projections=("key",))
     assert sorted(tuple(s) for s in calls) == sorted([(2, H, D, 8), (1, 2, D, 16), (1, H, 24, 8)])
-    for name, res in zip(("a", "b", "c", "x"), rep.layers):
+    for name, res in zip(("a", "b", "c", "x"), rep.layers, strict=True):
         assert res.name == name
         assert res.hdi["key"] == pytest.approx(hdi_spectral_bruteforce(mha_heads_numpy(model[name], "key")), abs=1e-5)
 
@@ -139,11 +148,17 @@ def test_reference_levels_use_each_projection_input_width():
 def test_gqa_key_heads_are_kv_heads():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=D, num_hidden_layers=2, num_attention_heads=H,
-                                   num_key_value_heads=2, intermediate_size=37)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=D,
+        num_hidden_layers=2,
+        num_attention_heads=H,
+        num_key_value_heads=2,
+        intermediate_size=37,
+    )
     model = transformers.LlamaModel(cfg)
     rep = head_diversity(model, projections=("query", "key"))
-    for lay, res in zip(find_attention_layers(model), rep.layers):
+    for lay, res in zip(find_attention_layers(model), rep.layers, strict=True):
         assert res.overlap["query"].shape == (H, H) and res.overlap["key"].shape == (2, 2)
         k = lay.module.k_proj.weight.detach().double().numpy()
         ref = hdi_spectral_bruteforce([k[i * 8 : (i + 1) * 8].T for i in range(2)])
@@ -182,8 +197,19 @@ def test_to_dict_json_round_trip_and_table():
     assert d["weighting"] == "spectral" and d["projections"] == ["key", "value"]
     assert set(d["mean_hdi"]) == {"key", "value"}
     lay = d["layers"][0]
-    assert {"name", "family", "num_heads", "num_kv_heads", "head_dim", "model_dim", "hdi", "chance_hdi",
-            "max_hdi", "invalid_heads", "overlap"} <= set(lay)
+    assert {
+        "name",
+        "family",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "model_dim",
+        "hdi",
+        "chance_hdi",
+        "max_hdi",
+        "invalid_heads",
+        "overlap",
+    } <= set(lay)
     assert lay["name"] == "layers.0.self_attn" and lay["family"] == "torch_mha"
     assert np.allclose(np.array(lay["overlap"]["key"]), rep.layers[0].overlap["key"].numpy())
     assert d["mean_hdi"]["key"] == pytest.approx(np.mean([r.hdi["key"] for r in rep.layers]))
@@ -219,12 +245,17 @@ def test_layers_and_spec_pass_through():
     model = encoder(3)
     rep = head_diversity(model, layers=r"\.2\.")
     assert [r.name for r in rep.layers] == ["layers.2.self_attn"]
-    spec = AttentionSpec(modules=r"layers\.\d\.self_attn", query=lambda m: m.in_proj_weight[:D],
-                         key=lambda m: m.in_proj_weight[D : 2 * D], value=lambda m: m.in_proj_weight[2 * D :],
-                         output="out_proj", num_heads=H)
+    spec = AttentionSpec(
+        modules=r"layers\.\d\.self_attn",
+        query=lambda m: m.in_proj_weight[:D],
+        key=lambda m: m.in_proj_weight[D : 2 * D],
+        value=lambda m: m.in_proj_weight[2 * D :],
+        output="out_proj",
+        num_heads=H,
+    )
     by_spec = head_diversity(model, spec=spec, projections=ALL)
     builtin = head_diversity(model, projections=ALL)
-    for a, b in zip(by_spec.layers, builtin.layers):
+    for a, b in zip(by_spec.layers, builtin.layers, strict=True):
         assert a.family == "spec" and a.hdi == pytest.approx(b.hdi)
 
 
@@ -233,7 +264,7 @@ def test_cuda_model_matches_cpu():
     model = encoder(3)
     cpu = head_diversity(model, projections=ALL)
     gpu = head_diversity(model.cuda(), projections=ALL)
-    for a, b in zip(cpu.layers, gpu.layers):
+    for a, b in zip(cpu.layers, gpu.layers, strict=True):
         assert a.hdi == pytest.approx(b.hdi, abs=1e-5)
         assert b.overlap["key"].device.type == "cpu"
 
@@ -258,8 +289,9 @@ def _bruteforce_covariance(o: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor
 def test_inputs_bert_padding_excluded_and_covariance_matches_bruteforce():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=D, num_hidden_layers=2, num_attention_heads=H,
-                                  intermediate_size=37)
+    cfg = transformers.BertConfig(
+        vocab_size=64, hidden_size=D, num_hidden_layers=2, num_attention_heads=H, intermediate_size=37
+    )
     model = transformers.BertModel(cfg)
     model.train()  # head_diversity runs in eval mode and restores this
     g = torch.Generator().manual_seed(0)
@@ -276,17 +308,19 @@ def test_inputs_bert_padding_excluded_and_covariance_matches_bruteforce():
     assert model.training and all(m.training for m in model.modules())
     assert all(len(m._forward_pre_hooks) == 0 for m in model.modules())
     model.eval()
-    handles = [lay.module.output.dense.register_forward_pre_hook(
-        lambda m, a, n=lay.name: seen.setdefault(n, []).append(a[0])) for lay in layers]
+    handles = [
+        lay.module.output.dense.register_forward_pre_hook(lambda m, a, n=lay.name: seen.setdefault(n, []).append(a[0]))
+        for lay in layers
+    ]
     with torch.no_grad():
         for b in batches:
             model(**b)
     for h in handles:
         h.remove()
     total = sum(int(b["attention_mask"].sum()) for b in batches)
-    for lay, res in zip(layers, rep.layers):
+    for lay, res in zip(layers, rep.layers, strict=True):
         assert res.num_tokens == total
-        o = torch.cat([x[b["attention_mask"].bool()] for x, b in zip(seen[lay.name], batches)])
+        o = torch.cat([x[b["attention_mask"].bool()] for x, b in zip(seen[lay.name], batches, strict=True)])
         ref = _bruteforce_covariance(o, lay.head_weights("output"))
         torch.testing.assert_close(res.covariance.double(), ref.float().double(), rtol=1e-4, atol=1e-6)
         assert res.effective_heads is not None and math.isfinite(res.effective_heads)
@@ -333,7 +367,7 @@ def test_pretrained_minilm_vs_random_init():
     rep_t = head_diversity(trained, projections=ALL)
     rep_r = head_diversity(random, projections=ALL)
     assert len(rep_t.layers) == 6
-    for res_t, res_r in zip(rep_t.layers, rep_r.layers):
+    for res_t, res_r in zip(rep_t.layers, rep_r.layers, strict=True):
         assert (res_t.family, res_t.num_heads, res_t.head_dim, res_t.model_dim) == ("bert", 12, 32, 384)
         for proj in ALL:
             assert 0.0 <= res_t.hdi[proj] <= 1.0 and res_t.invalid_heads[proj] == []

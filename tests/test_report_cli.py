@@ -4,8 +4,8 @@ figures and the HTML page, and bad input (exit 2, one line, no traceback)."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -193,7 +193,9 @@ def test_text_inputs_match_head_diversity(capsys, minilm, tmp_path):
 
 def test_lightning_checkpoint_round_trips(capsys, lightning_ckpt):
     path, model = lightning_ckpt
-    code, out, err = run_cli(capsys, path, "--module", "hdi_monitor.contrib.demo.CharLM", "--json", "--projections", "all")
+    code, out, err = run_cli(
+        capsys, path, "--module", "hdi_monitor.contrib.demo.CharLM", "--json", "--projections", "all"
+    )
     assert code == 0, err
     expected = head_diversity(model, projections=("query", "key", "value", "output")).to_dict()
     assert json.loads(out) == json_roundtrip(expected)
@@ -259,11 +261,17 @@ def _bad_cases(tmp: Path, ckpt: Path, bert: Path) -> dict[str, tuple[list[str], 
         "folder without config": ([str(tmp / "empty_dir")], "without config.json"),
         "not a state_dict": ([str(tmp / "numbers.pt")], "is not a model"),
         "unknown module": ([str(ckpt), "--module", "no_such_pkg.Model"], "cannot import 'no_such_pkg'"),
-        "unknown class": ([str(ckpt), "--module", "hdi_monitor.contrib.demo.NoSuchModel"], "has no class 'NoSuchModel'"),
+        "unknown class": (
+            [str(ckpt), "--module", "hdi_monitor.contrib.demo.NoSuchModel"],
+            "has no class 'NoSuchModel'",
+        ),
         "not a LightningModule": ([str(ckpt), "--module", "collections.OrderedDict"], "not a LightningModule"),
         "module without dot": ([str(ckpt), "--module", "CharLM"], "package.module.Class"),
         "checkpoint without module": ([str(ckpt)], "pass --module"),
-        "module on a state_dict": ([str(bert / "mlm.pt"), "--module", "hdi_monitor.contrib.demo.CharLM"], "cannot rebuild"),
+        "module on a state_dict": (
+            [str(bert / "mlm.pt"), "--module", "hdi_monitor.contrib.demo.CharLM"],
+            "cannot rebuild",
+        ),
         "state_dict without config": ([str(bert / "mlm.pt")], "pass --config"),
         "state_dict, wrong config": ([str(bert / "mlm.pt"), "--config", str(tmp / "wrong_cfg")], "missing key"),
         "head model, base config": ([str(bert / "mlm.pt"), "--config", str(bert / "cfg")], "architectures"),
@@ -272,7 +280,10 @@ def _bad_cases(tmp: Path, ckpt: Path, bert: Path) -> dict[str, tuple[list[str], 
             [str(ckpt), "--module", "hdi_monitor.contrib.demo.CharLM", "--projections", "keys"],
             "unknown ['keys']",
         ),
-        "no layer matches": ([str(ckpt), "--module", "hdi_monitor.contrib.demo.CharLM", "--layers", "decoder"], "matches none"),
+        "no layer matches": (
+            [str(ckpt), "--module", "hdi_monitor.contrib.demo.CharLM", "--layers", "decoder"],
+            "matches none",
+        ),
         "missing inputs": (
             [str(ckpt), "--module", "hdi_monitor.contrib.demo.CharLM", "--inputs", str(tmp / "x.pt")],
             "no such file",
@@ -303,6 +314,7 @@ def test_debug_shows_the_traceback(tmp_path):
         main(["--debug", "report", str(tmp_path / "missing")])
 
 
+@pytest.mark.slow
 def test_console_script_bad_input(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     proc = subprocess.run(
@@ -401,7 +413,9 @@ def test_out_under_a_file_exits_2_naming_the_path(capsys, tmp_path, lightning_ck
     """Item 7: --out below a file (a file where a folder is expected)."""
     (tmp_path / "notes.txt").write_text("x")
     out = tmp_path / "notes.txt" / "report"
-    line = _one_error_line(*run_cli(capsys, lightning_ckpt[0], "--module", "hdi_monitor.contrib.demo.CharLM", "--out", out))
+    line = _one_error_line(
+        *run_cli(capsys, lightning_ckpt[0], "--module", "hdi_monitor.contrib.demo.CharLM", "--out", out)
+    )
     assert str(out) in line and "Not a directory" in line and "a file stands where a folder is expected" in line
 
 
@@ -432,15 +446,28 @@ def test_full_disk_while_writing_figures(capsys, tmp_path, lightning_ckpt, monke
     assert str(target) in line and "No space left on device" in line
 
 
+@pytest.mark.slow
 def test_json_to_a_full_disk_exits_2(tmp_path, lightning_ckpt):
     """Item 7: --json into /dev/full (a real full device): exit 2, one line, no noise at exit."""
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
     with open("/dev/full", "w") as full:
         proc = subprocess.run(
-            [sys.executable, "-m", "hdi_monitor.cli", "report", str(lightning_ckpt[0]), "--module",
-             "hdi_monitor.contrib.demo.CharLM", "--json", "--no-progress"],
-            stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
+            [
+                sys.executable,
+                "-m",
+                "hdi_monitor.cli",
+                "report",
+                str(lightning_ckpt[0]),
+                "--module",
+                "hdi_monitor.contrib.demo.CharLM",
+                "--json",
+                "--no-progress",
+            ],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
         )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

@@ -162,7 +162,7 @@ def test_every_picture_on_the_page_is_a_written_png(tmp_path):
     assert page.h3 == [f"{i} · {lay.name}" for i, lay in enumerate(report.layers)]
     # the caption under each picture; the query HDI computed by hand from the layer's own weight
     captions = iter(page.figcaption)
-    for lay, module in zip(report.layers, model.layers):
+    for lay, module in zip(report.layers, model.layers, strict=True):
         hdi = _spectral_hdi(module.self_attn.in_proj_weight[:16], 4)
         assert next(captions) == f"query overlapHDI {hdi:.3f}"
         assert [next(captions) for _ in range(2)] == [f"{p} overlapHDI {lay.hdi[p]:.3f}" for p in ("key", "output")]

@@ -73,12 +73,15 @@ def test_measurements_ignore_autocast():
         with tracker.capture(x):
             model(x)
     m = tracker.step()
-    for ref, got in zip(reference.layers, m.report.layers):
+    for ref, got in zip(reference.layers, m.report.layers, strict=True):
         for p in ("query", "key", "value", "output"):
             assert got.hdi[p] == pytest.approx(ref.hdi[p], rel=1e-6)
-        # the head outputs were recomputed in float32 (bf16 would move H_eff in the 3rd digit);
-        # the forward itself ran in bf16, hence the looser tolerance than the weights'
-        assert got.effective_heads == pytest.approx(ref.effective_heads, rel=2e-2)
+    # The head outputs are recomputed in float32. Layer 0 reads the float32 input itself, so its
+    # H_eff is exact (head outputs in bf16 would move it by 8e-4); layer 1 reads layer 0's output,
+    # which the forward computed in bf16 (observed 2.8e-4 off).
+    layer0, layer1 = zip(reference.layers, m.report.layers, strict=True)
+    assert layer0[1].effective_heads == pytest.approx(layer0[0].effective_heads, rel=1e-6)
+    assert layer1[1].effective_heads == pytest.approx(layer1[0].effective_heads, rel=2e-3)
 
 
 def test_mha_recompute_is_float32_under_autocast():
@@ -98,20 +101,33 @@ def test_late_state_restore_is_applied(tmp_path):
     """Strategies with restore_checkpoint_after_setup (FSDP, ModelParallel, DeepSpeed) call
     load_state_dict after on_fit_start, when the tracker exists."""
     import lightning.pytorch as pl
-
-    from test_callback import loader, tiny_lm
+    from conftest import loader, tiny_lm
 
     first = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, early_warning=False)
-    pl.Trainer(max_steps=5, callbacks=[first], logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False, accelerator="cpu").fit(tiny_lm(), loader())
+    pl.Trainer(
+        max_steps=5,
+        callbacks=[first],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    ).fit(tiny_lm(), loader())
     state = first.state_dict()
     assert [h["step"] for h in state["history"]] == [0, 2, 4]
 
     second = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, early_warning=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pl.Trainer(max_steps=1, callbacks=[second], logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, accelerator="cpu").fit(tiny_lm(), loader())
+        pl.Trainer(
+            max_steps=1,
+            callbacks=[second],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            accelerator="cpu",
+        ).fit(tiny_lm(), loader())
     assert second.tracker is not None
     second.load_state_dict(state)  # after on_fit_start: goes straight into the tracker
     assert [h["step"] for h in second.history] == [0, 2, 4]
@@ -127,7 +143,10 @@ def _monitoring_warnings(caught) -> list[str]:
 
 def _hdi_scalars(report, projections=("query", "key", "value", "output")) -> dict[str, float]:
     return {
-        f"hdi/{p}/{layer.name}": layer.hdi[p] for layer in report.layers for p in projections if layer.hdi.get(p) is not None
+        f"hdi/{p}/{layer.name}": layer.hdi[p]
+        for layer in report.layers
+        for p in projections
+        if layer.hdi.get(p) is not None
     }
 
 
@@ -178,7 +197,11 @@ def test_pruned_bert_heads_are_picked_up_and_measured_correctly():
 
     torch.manual_seed(0)
     config = transformers.BertConfig(
-        vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        vocab_size=40,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
         max_position_embeddings=16,
     )
     model = transformers.BertModel(config).eval()
@@ -198,7 +221,9 @@ def test_pruned_bert_heads_are_picked_up_and_measured_correctly():
         warnings.simplefilter("always")
         tracker.measure(step=1)
     notes = _monitoring_warnings(caught)
-    assert len(notes) == 1 and "encoder.layer.0.attention: parameters changed, 4 heads of width 8 -> 3 heads" in notes[0]
+    assert (
+        len(notes) == 1 and "encoder.layer.0.attention: parameters changed, 4 heads of width 8 -> 3 heads" in notes[0]
+    )
     ref = head_diversity(model, projections=("query", "key", "value", "output"))
     assert ref.layers[0].num_heads == 3
     last = tracker.history[-1]
@@ -236,8 +261,13 @@ def _flat_run(sinks, steps=6):
 
     model = encoder()
     tracker = HDITracker(
-        model, every_n_steps=1, projections=("key",), activations=False, log_images_every_n_steps=0,
-        sinks=sinks, detector=SaturationDetector(patience=2, warmup_steps=0),
+        model,
+        every_n_steps=1,
+        projections=("key",),
+        activations=False,
+        log_images_every_n_steps=0,
+        sinks=sinks,
+        detector=SaturationDetector(patience=2, warmup_steps=0),
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

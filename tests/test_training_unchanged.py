@@ -16,10 +16,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import cuda
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import cuda
 from hdi_monitor import HDIMonitor, HDITracker
 
 VOCAB, WIDTH, SEQ, BATCH = 48, 32, 24, 8  # 192 tokens per batch per layer
@@ -82,7 +82,7 @@ def assert_same_run(a: dict, b: dict) -> None:
     for key in a["state"]:
         assert torch.equal(a["state"][key], b["state"][key]), key
     assert len(a["losses"]) == len(b["losses"]) > 0
-    assert all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"]))
+    assert all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"], strict=True))
     assert torch.equal(a["globals"].pop("torch_rng"), b["globals"].pop("torch_rng"))
     assert a["globals"] == b["globals"]
     assert a["training_flags"] == b["training_flags"]
@@ -233,14 +233,29 @@ def hf_run(tmp_path: Path, monitored: bool) -> dict:
 
     torch.manual_seed(0)
     config = transformers.BertConfig(
-        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=16, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
     )
     model = transformers.BertForMaskedLM(config)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2,
-        gradient_accumulation_steps=2, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
-        disable_tqdm=True, seed=0, dataloader_num_workers=0,
+        output_dir=str(tmp_path / "out"),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        gradient_accumulation_steps=2,
+        report_to=[],
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
     )
     monitor = HDITrainerCallback(every_n_steps=2, max_tokens=MAX_TOKENS, log_dir=str(tmp_path / "tb"), strict=True)
     trainer = transformers.Trainer(

@@ -11,7 +11,7 @@ from torch import nn
 from hdi_monitor import HDIMonitor, HDITracker
 
 transformers = pytest.importorskip("transformers")
-from hdi_monitor.integrations import HDITrainerCallback
+from hdi_monitor.integrations import HDITrainerCallback  # noqa: E402 - after the importorskip
 
 BAD = [
     ({"layers": "self_attn("}, ValueError, r"layers is not a valid regex: 'self_attn\('"),
@@ -86,7 +86,9 @@ def test_plain_loop_without_attention_raises_before_the_first_forward():
     calls = []
     model.register_forward_pre_hook(lambda *a: calls.append(1))
     with (
-        pytest.raises(ValueError, match=r"no attention layer found in MLP(.|\n)*body, body\.0, body\.1, head(.|\n)*spec="),
+        pytest.raises(
+            ValueError, match=r"no attention layer found in MLP(.|\n)*body, body\.0, body\.1, head(.|\n)*spec="
+        ),
         tracker.capture(torch.randn(2, 8)),
     ):
         model(torch.randn(2, 8))
@@ -109,10 +111,17 @@ def test_hf_callback_without_attention_raises_in_on_train_begin(tmp_path):
     model = Regressor()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
-        save_strategy="no", disable_tqdm=True,
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
     )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[HDITrainerCallback(every_n_steps=1)])
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=data, callbacks=[HDITrainerCallback(every_n_steps=1)]
+    )
     with pytest.raises(ValueError, match=r"no attention layer found in Regressor(.|\n)*net\.body"):
         trainer.train()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -123,5 +132,7 @@ def test_layers_filter_that_matches_nothing_raises_with_the_real_names():
     layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True)
     model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     tracker = HDITracker(model, layers=r"decoder")
-    with pytest.raises(ValueError, match=r"matches none of the 2 attention layers: \['layers\.0\.self_attn', 'layers\.1\.self_attn'\]"):
+    with pytest.raises(
+        ValueError, match=r"matches none of the 2 attention layers: \['layers\.0\.self_attn', 'layers\.1\.self_attn'\]"
+    ):
         tracker.step()

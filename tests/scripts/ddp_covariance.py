@@ -31,15 +31,13 @@ def _worker(rank: int, port: int, inputs_path: str, output_path: str) -> None:
     from hdi_monitor.functional.covariance import HeadCovarianceAccumulator
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     try:
         data = torch.load(inputs_path, weights_only=False)
         h, d, w_out = data["num_heads"], data["head_dim"], data["w_out"]
 
         acc = HeadCovarianceAccumulator(h, d, w_out=w_out)
-        for (o, keep), owner in zip(data["batches"], data["assignment"]):
+        for (o, keep), owner in zip(data["batches"], data["assignment"], strict=True):
             if owner == rank:
                 acc.update(o, keep)
         local_tokens = acc.num_tokens

@@ -81,7 +81,13 @@ def global_batches(seed: int = 1) -> Tensor:
 # ------------------------------------------------------------------------------------ summon accounting
 
 _SUMMONS: dict[str, Any] = {
-    "open_units": 0, "open_root": 0, "peak_units": 0, "peak_total": 0, "peak_unsharded": 0, "calls": 0, "root": None
+    "open_units": 0,
+    "open_root": 0,
+    "peak_units": 0,
+    "peak_total": 0,
+    "peak_unsharded": 0,
+    "calls": 0,
+    "root": None,
 }
 
 
