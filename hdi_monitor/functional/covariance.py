@@ -435,12 +435,6 @@ class HeadCovarianceAccumulator:
         """Bytes held by the state tensors: ``8 (H^2 + H D + 1)`` once allocated, else 0."""
         return sum(t.numel() * t.element_size() for t in (self._n, self._sum, self._m2) if t is not None)
 
-    @property
-    def mean_contribution(self) -> Tensor:
-        """``(H, D)`` float64 mean contribution ``mean_t c_h(t)`` of each head."""
-        self._require_tokens()
-        return self._sum / self._n.to(_F64)
-
     def _require_tokens(self) -> None:
         if self._n is None or self.num_tokens == 0:
             raise ValueError(

@@ -413,7 +413,7 @@ def _check_dims(**dims: int) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def chance_hdi(model_dim: int, head_dim: int, weighting: Weighting = "spectral") -> float:
+def chance_hdi(*, model_dim: int, head_dim: int, weighting: Weighting = "spectral") -> float:
     """HDI of independent random Gaussian heads (what initialisation gives).
 
     * ``"uniform"``: ``1 - min(d, D) / D``, since ``E||U_i^T U_j||_F^2 = d^2 / D`` for independent
@@ -428,7 +428,7 @@ def chance_hdi(model_dim: int, head_dim: int, weighting: Weighting = "spectral")
     return 1.0 - head_dim / (model_dim + head_dim + 1)
 
 
-def max_hdi(num_heads: int, head_dim: int, model_dim: int) -> float | None:
+def max_hdi(*, num_heads: int, head_dim: int, model_dim: int) -> float | None:
     """Largest HDI that ``H`` heads of width ``d`` can reach in ``R^D`` (frame bound).
 
     When ``H d <= D`` the heads can be mutually orthogonal and the bound is 1. Otherwise

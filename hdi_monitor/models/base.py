@@ -26,7 +26,6 @@ from typing import Any, Literal, Protocol
 
 from einops import rearrange
 from torch import Tensor, nn
-from torch.nn.parameter import is_lazy
 
 from hdi_monitor.exceptions import AdapterMismatch
 
@@ -307,18 +306,6 @@ class AttentionLayer:
             fn(o.detach(), None)
 
         return HookHandle(self._output_module.register_forward_pre_hook(guarded(pre_hook, on_error), with_kwargs=True))
-
-    def parameters_not_ready(self) -> list[str]:
-        """Names of this module's parameters that are on the meta device or uninitialised (lazy)."""
-        return _parameters_not_ready(self.module)
-
-
-def _parameters_not_ready(module: nn.Module) -> list[str]:
-    out = []
-    for pname, p in module.named_parameters():
-        if is_lazy(p) or p.is_meta:
-            out.append(pname)
-    return out
 
 
 # ------------------------------------------------------------------------------------------ registry

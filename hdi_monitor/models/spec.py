@@ -54,7 +54,7 @@ class AttentionSpec:
     Example, separate projections (a block with ``wq, wk, wv, wo`` ``nn.Linear`` layers)::
 
         spec = AttentionSpec(
-            modules=r"blocks\\.\\d+\\.attn",      # regex, full match on the qualified module name
+            modules=r"^blocks\\.\\d+\\.attn$",    # regex, re.search on the qualified module name
             query="wq", key="wk", value="wv", output="wo",
             num_heads=8, num_kv_heads=2,         # or leave them out to read them from the module
         )
@@ -65,9 +65,12 @@ class AttentionSpec:
         AttentionSpec(modules=r"h\\.\\d+\\.attn", qkv="qkv", qkv_layout="interleaved", output="proj")
 
     Args:
-        modules: which modules are attention layers: a regex matched against the *whole* qualified
-            name (``re.fullmatch``), or a predicate ``(name, module) -> bool``. Descendants of a
-            matched module are not searched.
+        modules: which modules are attention layers: a regex searched in the qualified module name
+            (``re.search``, the same meaning as ``layers=``; anchor it with ``^...$`` for an exact
+            match), or a predicate ``(name, module) -> bool``. Modules are tried in module order and
+            the descendants of a matched module are not searched, so ``r"blocks\\.\\d+\\.attn"``
+            matches the attention blocks and not their ``attn.wq`` children (but it would also
+            match a sibling named ``attn_norm``: anchor it, ``r"blocks\\.\\d+\\.attn$"``).
         query, key, value, output: each a dotted attribute path relative to the attention module,
             naming a projection module (``nn.Linear``, ``Conv1D``, a LoRA layer: its effective
             weight is read) or a tensor (``"wq.weight"``), or a callable ``module -> Tensor``.
@@ -155,7 +158,7 @@ class AttentionSpec:
     def matches(self, name: str, module: nn.Module) -> bool:
         """Whether the module called ``name`` is an attention layer under this spec."""
         if self._pattern is not None:
-            return self._pattern.fullmatch(name) is not None
+            return self._pattern.search(name) is not None
         return bool(self.modules(name, module))  # type: ignore[operator]
 
     def _source(self, name: str, module: nn.Module, projection: str) -> WeightSource:
@@ -176,7 +179,24 @@ class AttentionSpec:
         return lambda: _as_tensor(_resolve(module, ref), name, projection)
 
     def build(self, name: str, module: nn.Module, root_config: Any = None) -> AttentionLayer:
-        """Build the `AttentionLayer` for one matched module, validating all shapes."""
+        """Build the `AttentionLayer` for one matched module, validating all shapes.
+
+        Raises:
+            ValueError: the spec does not fit the module. Where the regex matched only part of the
+                name (``re.search``), the message says how to anchor it.
+        """
+        try:
+            return self._build(name, module, root_config)
+        except ValueError as exc:
+            if self._pattern is None or self._pattern.fullmatch(name) is not None:
+                raise
+            raise type(exc)(
+                f"{exc}. The regex {self.modules!r} matched part of {name!r} (modules= is searched with "
+                f"re.search); anchor it, e.g. {'^' + self.modules.lstrip('^').rstrip('$') + '$'!r}, to match "
+                "whole names only"
+            ) from None
+
+    def _build(self, name: str, module: nn.Module, root_config: Any) -> AttentionLayer:
         out_src = self._source(name, module, "output")
         out_shape = tuple(out_src().shape)
         if len(out_shape) != 2:

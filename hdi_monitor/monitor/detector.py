@@ -8,8 +8,9 @@ no warnings of its own; the caller decides what to do with an event (warn with
 values, events already issued) round-trips through `SaturationDetector.state_dict` as plain
 Python types, so ``torch.load(..., weights_only=True)`` can read a checkpoint that holds it.
 
-Events, for one series ``(layer, projection, metric)`` and ``sign = +1`` for ``mode="max"``
-(``-1`` for ``"min"``); only measurements at ``step >= warmup_steps`` count:
+Higher is better for every metric it watches (the HDI, the effective number of heads). Events,
+for one series ``(layer, projection, metric)``; only measurements at ``step >= warmup_steps``
+count:
 
 * **saturation**: over the last ``patience + 1`` measurements (the window), the best value has not
   improved by more than ``min_delta`` (EarlyStopping's rule) *and* the Theil-Sen median slope
@@ -31,7 +32,7 @@ import math
 import operator
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -47,17 +48,21 @@ __all__ = [
     "EVENT_KINDS",
     "PROJECTIONS",
     "METRICS",
-    "MODES",
+    "EventKind",
+    "Metric",
+    "Projection",
 ]
 
-EVENT_KINDS: tuple[str, ...] = ("saturation", "collapse", "redundancy")
-PROJECTIONS: tuple[str, ...] = ("query", "key", "value", "output", "activations")
-METRICS: tuple[str, ...] = ("hdi", "effective_heads", "correlation")
-MODES: tuple[str, ...] = ("max", "min")
+EventKind = Literal["saturation", "collapse", "redundancy"]
+Projection = Literal["query", "key", "value", "output", "activations"]
+Metric = Literal["hdi", "effective_heads"]
+EVENT_KINDS: tuple[EventKind, ...] = ("saturation", "collapse", "redundancy")
+PROJECTIONS: tuple[Projection, ...] = ("query", "key", "value", "output", "activations")
+METRICS: tuple[Metric, ...] = ("hdi", "effective_heads")
 
 _STATE_VERSION = 1
 _MAX_PAIRS_IN_MESSAGE = 6
-_METRIC_NAMES = {"hdi": "HDI", "effective_heads": "effective number of heads", "correlation": "mean head correlation"}
+_METRIC_NAMES = {"hdi": "HDI", "effective_heads": "effective number of heads"}
 
 
 @dataclass(frozen=True)
@@ -68,11 +73,11 @@ class DiversityEvent:
         kind: ``"saturation"``, ``"collapse"`` or ``"redundancy"``.
         layer: qualified module name of the attention layer, or ``"mean"`` for the model mean.
         projection: ``"query"``, ``"key"``, ``"value"``, ``"output"``, or ``"activations"``.
-        metric: ``"hdi"``, ``"effective_heads"`` or ``"correlation"``.
+        metric: ``"hdi"`` or ``"effective_heads"``.
         step: training step of the measurement that triggered the event.
         value: the measured value at ``step`` (NaN for a redundancy event whose measurement had no
             value).
-        best: best value of the series so far (mode-aware); None when no value was recorded.
+        best: best (highest) value of the series so far; None when no value was recorded.
         chance: chance level of the metric when the caller knows it.
         pairs: ``(i, j, overlap_or_correlation)`` with ``i < j``, strongest first (redundancy only).
         message: one readable sentence with the numbers and a suggestion.
@@ -267,8 +272,6 @@ class SaturationDetector:
             metric's units (HDI units by default).
         warmup_steps: measurements at training steps below this are ignored entirely (no history,
             no best value, no event): the transient after random initialisation is no reference.
-        mode: ``"max"`` when higher is better (HDI, effective heads), ``"min"`` when lower is better
-            (a mean correlation).
         collapse_delta: collapse fires when the value is worse than the best so far by more than
             this, in the metric's units.
         redundancy_threshold: a head pair is redundant when its overlap (or correlation) is at least
@@ -291,7 +294,6 @@ class SaturationDetector:
         patience: int = 10,
         min_delta: float = 0.002,
         warmup_steps: int = 1000,
-        mode: str = "max",
         collapse_delta: float = 0.05,
         redundancy_threshold: float = 0.9,
     ) -> None:
@@ -301,14 +303,12 @@ class SaturationDetector:
         min_delta = _finite_float(min_delta, "min_delta")
         if min_delta < 0:
             raise ValueError(
-                f"min_delta must be >= 0 (the direction comes from mode={mode!r}), got {min_delta}; "
+                f"min_delta must be >= 0 (higher is better for every metric watched), got {min_delta}; "
                 "pass its absolute value"
             )
         warmup_steps = _int(warmup_steps, "warmup_steps")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        if mode not in MODES:
-            raise ValueError(f"mode must be 'max' (higher is better) or 'min' (lower is better), got {mode!r}")
         collapse_delta = _finite_float(collapse_delta, "collapse_delta")
         if collapse_delta <= 0:
             raise ValueError(f"collapse_delta must be > 0, got {collapse_delta}")
@@ -318,10 +318,8 @@ class SaturationDetector:
         self.patience = patience
         self.min_delta = min_delta
         self.warmup_steps = warmup_steps
-        self.mode = mode
         self.collapse_delta = collapse_delta
         self.redundancy_threshold = redundancy_threshold
-        self._sign = 1.0 if mode == "max" else -1.0
         self._series: dict[tuple[str, str, str], _Series] = {}
         self._events: list[DiversityEvent] = []
 
@@ -333,7 +331,7 @@ class SaturationDetector:
         return tuple(self._events)
 
     def best(self, layer: str, projection: str, metric: str = "hdi") -> float | None:
-        """Best value of a series after warmup (mode-aware), or None before its first measurement."""
+        """Best (highest) value of a series after warmup, or None before its first measurement."""
         series = self._series.get((layer, projection, metric))
         return None if series is None else series.best
 
@@ -423,7 +421,6 @@ class SaturationDetector:
                 "patience": self.patience,
                 "min_delta": self.min_delta,
                 "warmup_steps": self.warmup_steps,
-                "mode": self.mode,
                 "collapse_delta": self.collapse_delta,
                 "redundancy_threshold": self.redundancy_threshold,
             },
@@ -463,9 +460,8 @@ class SaturationDetector:
     def _update_series(
         self, series: _Series, key: tuple[str, str, str], step: int, value: float, chance: float | None
     ) -> list[DiversityEvent]:
-        sign = self._sign
         previous_best = series.best
-        if series.best is None or sign * value > sign * series.best:
+        if series.best is None or value > series.best:
             series.best = value
         series.history.append((step, value, series.best))
         del series.history[: -(self.patience + 1)]
@@ -473,9 +469,9 @@ class SaturationDetector:
         events: list[DiversityEvent] = []
         if len(series.history) == self.patience + 1:
             steps = [float(s) for s, _, _ in series.history]
-            values = [sign * v for _, v, _ in series.history]
+            values = [v for _, v, _ in series.history]
             gain = theil_sen_slope(steps, values) * (steps[-1] - steps[0])
-            improvement = sign * (series.best - series.history[0][2])
+            improvement = series.best - series.history[0][2]
             if series.saturation_armed:
                 if improvement <= self.min_delta and gain <= self.min_delta:
                     series.saturation_armed = False
@@ -483,13 +479,13 @@ class SaturationDetector:
                     events.append(self._event("saturation", key, step, value, series.best, chance))
             elif (
                 series.saturation_best is not None
-                and sign * (series.best - series.saturation_best) > self.min_delta
+                and series.best - series.saturation_best > self.min_delta
                 and gain > self.min_delta
             ):
                 series.saturation_armed = True  # improving again: the next plateau is news
 
         if not series.collapse_fired and previous_best is not None:
-            if sign * (series.best - value) > self.collapse_delta:
+            if series.best - value > self.collapse_delta:
                 series.collapse_fired = True
                 events.append(self._event("collapse", key, step, value, series.best, chance))
         return events
@@ -541,19 +537,17 @@ class SaturationDetector:
         return f"{name[0].upper()}{name[1:]} of '{layer}' ({projection})"
 
     def _worse_than_chance(self, value: float, chance: float | None) -> bool:
-        return chance is not None and self._sign * (value - chance) < 0
+        return chance is not None and value < chance
 
     def _saturation_message(
         self, key: tuple[str, str, str], step: int, value: float, best: float | None, chance: float | None
     ) -> str:
-        side = "below" if self.mode == "max" else "above"
         if chance is None:
             ref = ""
         elif self._worse_than_chance(value, chance):
-            ref = f", {side} the {chance:.3f} chance level of random heads"
+            ref = f", below the {chance:.3f} chance level of random heads"
         else:
             ref = f", chance {chance:.3f}"
-        verb = "improved" if self.mode == "max" else "improved (decreased)"
         advice = (
             "diversity has saturated with the heads more alike than random ones; prune redundant heads "
             "or try fewer heads (H) or a smaller head width (d_k)"
@@ -562,7 +556,7 @@ class SaturationDetector:
             "or changing H or d_k"
         )
         return (
-            f"{self._subject(key)} has not {verb} by more than {self.min_delta:.3g} over the last "
+            f"{self._subject(key)} has not improved by more than {self.min_delta:.3g} over the last "
             f"{self.patience} measurements (now {value:.3f}, best {best:.3f}{ref}, step {step}): {advice}."
         )
 
@@ -570,16 +564,14 @@ class SaturationDetector:
         self, key: tuple[str, str, str], step: int, value: float, best: float | None, chance: float | None
     ) -> str:
         assert best is not None
-        verb = "fell" if self.mode == "max" else "rose"
-        side = "below" if self.mode == "max" else "above"
-        drop = abs(best - value)
+        drop = best - value
         head = (
-            f"{self._subject(key)} {verb} by {drop:.3f} from its best {best:.3f} to {value:.3f} at step {step} "
+            f"{self._subject(key)} fell by {drop:.3f} from its best {best:.3f} to {value:.3f} at step {step} "
             f"(more than the {self.collapse_delta:.3g} collapse threshold"
         )
         if self._worse_than_chance(value, chance):
             return (
-                f"{head}), now {side} the {chance:.3f} chance level of random heads: the heads are converging; "
+                f"{head}), now below the {chance:.3f} chance level of random heads: the heads are converging; "
                 "look for redundant head pairs to prune, or reduce H or d_k."
             )
         ref = "" if chance is None else f"; chance {chance:.3f}"
