@@ -699,9 +699,9 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="chunk_size"):
         pairwise_principal_angles(good, chunk_size=0)
     for bad in (0, -3, 2.5, True):
-        with pytest.raises(ValueError, match="positive integer"):
+        with pytest.raises(ValueError, match="model_dim must be an integer >= 1"):
             chance_hdi(model_dim=bad, head_dim=4)
-        with pytest.raises(ValueError, match="positive integer"):
+        with pytest.raises(ValueError, match="head_dim must be an integer >= 1"):
             max_hdi(num_heads=4, head_dim=bad, model_dim=16)
     with pytest.raises(ValueError, match="weighting must be one of"):
         chance_hdi(model_dim=16, head_dim=4, weighting="cosine")

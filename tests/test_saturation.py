@@ -400,7 +400,7 @@ def test_constructor_validation(kwargs, error, match):
 
 def test_update_validation():
     det = SaturationDetector(warmup_steps=0)
-    with pytest.raises(ValueError, match="step must be >= 0"):
+    with pytest.raises(ValueError, match="step must be an integer >= 0"):
         det.update(-1, LAYER, "key", 0.5)
     with pytest.raises(TypeError, match="step"):
         det.update(1.5, LAYER, "key", 0.5)

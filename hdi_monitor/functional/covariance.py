@@ -57,6 +57,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from hdi_monitor._validation import check_choice, check_instance, check_int
 from hdi_monitor.functional._numerics import ieee_float32_matmul, no_autocast
 
 __all__ = [
@@ -237,8 +238,7 @@ def subsample_mask(keep: Tensor, max_tokens: int, generator: torch.Generator | N
     """
     if not isinstance(keep, Tensor) or keep.dtype != torch.bool or keep.ndim != 1:
         raise TypeError("keep must be a 1-D bool tensor")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    check_int("max_tokens", max_tokens)
     n = keep.numel()
     if max_tokens >= n:
         return keep.clone()
@@ -361,22 +361,13 @@ class HeadCovarianceAccumulator:
         chunk_size: int | None = None,
         matmul_dtype: MatmulDtype = "auto",
     ) -> None:
-        for name, value, optional in (
-            ("num_heads", num_heads, False),
-            ("head_dim", head_dim, False),
-            ("model_dim", model_dim, True),
-            ("max_tokens", max_tokens, True),
-            ("chunk_size", chunk_size, True),
-        ):
-            if optional and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                extra = " or None" if optional else ""
-                raise ValueError(f"{name} must be a positive integer{extra}, got {value!r}")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-        if matmul_dtype not in ("auto", "float32", "float64"):
-            raise ValueError(f"matmul_dtype must be 'auto', 'float32' or 'float64', got {matmul_dtype!r}")
+        check_int("num_heads", num_heads)
+        check_int("head_dim", head_dim)
+        for name, value in (("model_dim", model_dim), ("max_tokens", max_tokens), ("chunk_size", chunk_size)):
+            if value is not None:
+                check_int(name, value)
+        check_instance("generator", generator, torch.Generator, optional=True)
+        check_choice("matmul_dtype", matmul_dtype, MatmulDtype)
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.width = num_heads * head_dim
@@ -719,8 +710,7 @@ def compute_results(
         accumulator's token count is cached on the host as well, so ``acc.num_tokens`` costs no
         further sync until its state changes.
     """
-    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1:
-        raise ValueError(f"min_tokens must be a positive integer, got {min_tokens!r}")
+    check_int("min_tokens", min_tokens)
     covs, counts, live = [], [], []
     for i, acc in enumerate(accumulators):
         if not isinstance(acc, HeadCovarianceAccumulator):
@@ -778,7 +768,9 @@ def sync_accumulators(accumulators: Sequence[HeadCovarianceAccumulator], group: 
     for acc in todo:
         if acc._sum is None:
             acc._init_state(acc._device if acc._device is not None else device, acc._resolve_model_dim())
-    packed = torch.cat([torch.cat([acc._n.to(device=device, dtype=_F64)[None], acc._sum.to(device).reshape(-1)]) for acc in todo])
+    packed = torch.cat(
+        [torch.cat([acc._n.to(device=device, dtype=_F64)[None], acc._sum.to(device).reshape(-1)]) for acc in todo]
+    )
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
     centred, totals, pos = [], [], 0
     for acc in todo:

@@ -27,10 +27,13 @@ from typing import Any, Literal, Protocol
 from einops import rearrange
 from torch import Tensor, nn
 
+from hdi_monitor._validation import check_choice, check_int
 from hdi_monitor.exceptions import AdapterMismatch
 
 __all__ = [
     "PROJECTIONS",
+    "KVMap",
+    "Projection",
     "Adapter",
     "AdapterMismatch",
     "AttentionLayer",
@@ -47,7 +50,11 @@ __all__ = [
     "split_out_features",
 ]
 
-PROJECTIONS: tuple[str, ...] = ("query", "key", "value", "output")
+Projection = Literal["query", "key", "value", "output"]
+PROJECTIONS: tuple[Projection, ...] = ("query", "key", "value", "output")
+
+KVMap = Literal["block", "modulo"]
+"""How query heads share key/value heads: ``h // (H / H_kv)`` (``"block"``) or ``h % H_kv`` (``"modulo"``)."""
 
 OutputHook = Callable[[Tensor, "Tensor | None"], None]
 """``fn(o, keep_mask)``: ``o`` is ``(..., num_heads * head_dim)``, ``keep_mask`` None or bool."""
@@ -99,11 +106,9 @@ class SkippedModule:
         return {"name": self.name, "class_name": self.class_name, "reason": self.reason}
 
 
-def check_projection(projection: str) -> str:
+def check_projection(projection: str) -> Projection:
     """Return ``projection`` if it is one of `PROJECTIONS`, else raise ValueError."""
-    if projection not in PROJECTIONS:
-        raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
-    return projection
+    return check_choice("projection", projection, PROJECTIONS)
 
 
 def full_weight(t: Tensor) -> Tensor:
@@ -211,7 +216,7 @@ class AttentionLayer:
         weights: Mapping[str, WeightSource],
         output_module: nn.Module | None = None,
         mask_key: str | None = None,
-        kv_map: Literal["block", "modulo"] = "block",
+        kv_map: KVMap = "block",
         projection_dims: Mapping[str, int] | None = None,
         notes: tuple[str, ...] = (),
     ) -> None:
@@ -219,14 +224,12 @@ class AttentionLayer:
         if missing:
             raise ValueError(f"{name}: no weight source for projection(s) {missing}")
         for label, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: {label} must be a positive integer, got {value!r}")
+            check_int(f"{name}: {label}", value)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"{name}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
-        if kv_map not in ("block", "modulo"):
-            raise ValueError(f"{name}: kv_map must be 'block' or 'modulo', got {kv_map!r}")
+        check_choice(f"{name}: kv_map", kv_map, KVMap)
         self.kv_map = kv_map
         self.projection_dims = {p: head_dim for p in PROJECTIONS}
         self.projection_dims.update(projection_dims or {})

@@ -35,7 +35,7 @@ from typing import Any, Literal, get_args
 from einops import rearrange
 from torch import Tensor, nn
 
-from hdi_monitor.models.base import Adapter, AdapterMismatch, AttentionLayer, WeightSource
+from hdi_monitor.models.base import Adapter, AdapterMismatch, AttentionLayer, KVMap, WeightSource
 from hdi_monitor.models.weights import base_layer, in_features, is_conv1d, is_projection, linear_weight, out_features
 
 __all__ = [
@@ -58,8 +58,7 @@ __all__ = [
 ]
 
 Packing = Literal["contiguous", "interleaved", "grouped", "multi_query"]
-PACKINGS: tuple[str, ...] = get_args(Packing)
-KVMap = Literal["block", "modulo"]
+PACKINGS: tuple[Packing, ...] = get_args(Packing)
 
 #: Attribute names that hold head counts and widths, tried in order (module, then its config).
 HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "heads")

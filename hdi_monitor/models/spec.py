@@ -6,11 +6,12 @@ import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from torch import Tensor, nn
 
-from hdi_monitor.models.base import AttentionLayer, WeightSource
+from hdi_monitor._validation import check_choice, check_instance, check_int, check_regex
+from hdi_monitor.models.base import AttentionLayer, KVMap, WeightSource
 from hdi_monitor.models.layouts import PACKINGS, Packing, default_mask_key, resolve_heads, split_fused
 from hdi_monitor.models.weights import is_projection, linear_weight
 
@@ -32,13 +33,6 @@ def _as_tensor(obj: Any, name: str, projection: str) -> Tensor:
     if not isinstance(obj, Tensor):
         raise TypeError(f"{name}: AttentionSpec.{projection} gave {type(obj).__name__}, expected a Tensor")
     return obj
-
-
-def _positive(label: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"AttentionSpec.{label} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -107,15 +101,12 @@ class AttentionSpec:
     family: str = "spec"
     qkv: Ref | None = None
     qkv_layout: Packing | None = None
-    kv_map: Literal["block", "modulo"] = "block"
+    kv_map: KVMap = "block"
     _pattern: re.Pattern | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.modules, str):
-            try:
-                object.__setattr__(self, "_pattern", re.compile(self.modules))
-            except re.error as exc:
-                raise ValueError(f"AttentionSpec.modules is not a valid regex: {self.modules!r} ({exc})") from exc
+            object.__setattr__(self, "_pattern", check_regex("AttentionSpec.modules", self.modules))
         elif not callable(self.modules):
             raise TypeError(
                 "AttentionSpec.modules must be a regex string or a predicate (name, module) -> bool, "
@@ -145,15 +136,14 @@ class AttentionSpec:
                     f"got {type(ref).__name__}"
                 )
         for label in ("num_heads", "num_kv_heads", "head_dim"):
-            _positive(label, getattr(self, label))
+            if getattr(self, label) is not None:
+                check_int(f"AttentionSpec.{label}", getattr(self, label))
         if self.num_heads is not None and self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"AttentionSpec: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
-        if self.kv_map not in ("block", "modulo"):
-            raise ValueError(f"AttentionSpec.kv_map must be 'block' or 'modulo', got {self.kv_map!r}")
-        if self.mask_key is not None and not isinstance(self.mask_key, str):
-            raise TypeError(f"AttentionSpec.mask_key must be a string, 'auto' or None, got {type(self.mask_key).__name__}")
+        check_choice("AttentionSpec.kv_map", self.kv_map, KVMap)
+        check_instance("AttentionSpec.mask_key", self.mask_key, str, optional=True)
 
     def matches(self, name: str, module: nn.Module) -> bool:
         """Whether the module called ``name`` is an attention layer under this spec."""

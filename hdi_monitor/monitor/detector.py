@@ -29,7 +29,6 @@ count:
 from __future__ import annotations
 
 import math
-import operator
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -37,6 +36,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from hdi_monitor._validation import check_choice, check_index, check_int, check_real
 from hdi_monitor.exceptions import DiversityWarning
 
 __all__ = [
@@ -59,6 +59,8 @@ Metric = Literal["hdi", "effective_heads"]
 EVENT_KINDS: tuple[EventKind, ...] = ("saturation", "collapse", "redundancy")
 PROJECTIONS: tuple[Projection, ...] = ("query", "key", "value", "output", "activations")
 METRICS: tuple[Metric, ...] = ("hdi", "effective_heads")
+
+_Key = tuple[str, Projection, Metric]  # one series: (layer, projection, metric)
 
 _STATE_VERSION = 1
 _MAX_PAIRS_IN_MESSAGE = 6
@@ -83,10 +85,10 @@ class DiversityEvent:
         message: one readable sentence with the numbers and a suggestion.
     """
 
-    kind: str
+    kind: EventKind
     layer: str
-    projection: str
-    metric: str
+    projection: Projection
+    metric: Metric
     step: int
     value: float
     best: float | None
@@ -113,10 +115,10 @@ class DiversityEvent:
     def from_dict(cls, data: dict[str, Any]) -> DiversityEvent:
         """Inverse of `to_dict`."""
         return cls(
-            kind=str(data["kind"]),
+            kind=check_choice("kind", data["kind"], EVENT_KINDS),
             layer=str(data["layer"]),
-            projection=str(data["projection"]),
-            metric=str(data["metric"]),
+            projection=check_choice("projection", data["projection"], PROJECTIONS),
+            metric=check_choice("metric", data["metric"], METRICS),
             step=int(data["step"]),
             value=float(data["value"]),
             best=None if data["best"] is None else float(data["best"]),
@@ -137,12 +139,7 @@ def theil_sen_slope(x: list[float], y: list[float]) -> float:
     """
     if len(x) != len(y):
         raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
-    slopes = [
-        (y[j] - y[i]) / (x[j] - x[i])
-        for i in range(len(x))
-        for j in range(len(x))
-        if x[i] < x[j]
-    ]
+    slopes = [(y[j] - y[i]) / (x[j] - x[i]) for i in range(len(x)) for j in range(len(x)) if x[i] < x[j]]
     if not slopes:
         raise ValueError("theil_sen_slope needs at least two points with distinct x")
     return statistics.median(slopes)
@@ -162,7 +159,7 @@ def redundant_pairs(pairwise: Tensor, threshold: float) -> list[tuple[int, int, 
         transfer, whatever ``H``.
     """
     _check_pairwise(pairwise)
-    threshold = _finite_float(threshold, "threshold")
+    threshold = check_real("threshold", threshold)
     h = pairwise.shape[0]
     if h < 2:
         return []
@@ -182,31 +179,6 @@ def _check_pairwise(pairwise: Any) -> None:
         raise ValueError(f"pairwise must be a square (H, H) matrix, got shape {tuple(pairwise.shape)}")
     if pairwise.is_complex() or pairwise.dtype == torch.bool:
         raise TypeError(f"pairwise must hold real numbers, got {pairwise.dtype}")
-
-
-def _finite_float(value: Any, name: str) -> float:
-    if isinstance(value, (bool, str, bytes)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    if not isinstance(value, (int, float)):
-        try:
-            value = float(value)  # numpy scalars, 0-d tensors
-        except (TypeError, ValueError):
-            raise TypeError(f"{name} must be a real number, got {type(value).__name__}") from None
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
-def _int(value: Any, name: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got a bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point():
-            return int(value.item())
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
 
 
 def _measurement(value: Any) -> float | None:
@@ -297,30 +269,24 @@ class SaturationDetector:
         collapse_delta: float = 0.05,
         redundancy_threshold: float = 0.9,
     ) -> None:
-        patience = _int(patience, "patience")
-        if patience < 1:
-            raise ValueError(f"patience must be at least 1 measurement, got {patience}")
-        min_delta = _finite_float(min_delta, "min_delta")
+        patience = check_int("patience", check_index("patience", patience))  # measurements
+        min_delta = check_real("min_delta", min_delta)
         if min_delta < 0:
             raise ValueError(
                 f"min_delta must be >= 0 (higher is better for every metric watched), got {min_delta}; "
                 "pass its absolute value"
             )
-        warmup_steps = _int(warmup_steps, "warmup_steps")
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        collapse_delta = _finite_float(collapse_delta, "collapse_delta")
-        if collapse_delta <= 0:
-            raise ValueError(f"collapse_delta must be > 0, got {collapse_delta}")
-        redundancy_threshold = _finite_float(redundancy_threshold, "redundancy_threshold")
-        if not 0 < redundancy_threshold <= 1:
-            raise ValueError(f"redundancy_threshold must be in (0, 1], got {redundancy_threshold}")
+        warmup_steps = check_int("warmup_steps", check_index("warmup_steps", warmup_steps), low=0)
+        collapse_delta = check_real("collapse_delta", collapse_delta, low=0.0, low_open=True)
+        redundancy_threshold = check_real(
+            "redundancy_threshold", redundancy_threshold, low=0.0, high=1.0, low_open=True
+        )
         self.patience = patience
         self.min_delta = min_delta
         self.warmup_steps = warmup_steps
         self.collapse_delta = collapse_delta
         self.redundancy_threshold = redundancy_threshold
-        self._series: dict[tuple[str, str, str], _Series] = {}
+        self._series: dict[_Key, _Series] = {}
         self._events: list[DiversityEvent] = []
 
     # ------------------------------------------------------------------ public API
@@ -330,12 +296,12 @@ class SaturationDetector:
         """Every event issued so far, in order (survives `state_dict`)."""
         return tuple(self._events)
 
-    def best(self, layer: str, projection: str, metric: str = "hdi") -> float | None:
+    def best(self, layer: str, projection: Projection, metric: Metric = "hdi") -> float | None:
         """Best (highest) value of a series after warmup, or None before its first measurement."""
         series = self._series.get((layer, projection, metric))
         return None if series is None else series.best
 
-    def history(self, layer: str, projection: str, metric: str = "hdi") -> list[tuple[int, float]]:
+    def history(self, layer: str, projection: Projection, metric: Metric = "hdi") -> list[tuple[int, float]]:
         """The ``(step, value)`` measurements kept for a series: the last ``patience + 1`` after warmup."""
         series = self._series.get((layer, projection, metric))
         return [] if series is None else [(s, v) for s, v, _ in series.history]
@@ -349,10 +315,10 @@ class SaturationDetector:
         self,
         step: int,
         layer: str,
-        projection: str,
+        projection: Projection,
         value: float | Tensor | None,
         *,
-        metric: str = "hdi",
+        metric: Metric = "hdi",
         chance: float | None = None,
         pairwise: Tensor | None = None,
     ) -> list[DiversityEvent]:
@@ -374,16 +340,12 @@ class SaturationDetector:
         Returns:
             New events, in the order saturation, collapse, redundancy; ``[]`` during warmup.
         """
-        step = _int(step, "step")
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+        step = check_int("step", check_index("step", step), low=0)
         if not isinstance(layer, str) or not layer:
             raise TypeError(f"layer must be a non-empty str (qualified module name or 'mean'), got {layer!r}")
-        if projection not in PROJECTIONS:
-            raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
-        if metric not in METRICS:
-            raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
-        chance = None if chance is None else _finite_float(chance, "chance")
+        check_choice("projection", projection, PROJECTIONS)
+        check_choice("metric", metric, METRICS)
+        chance = None if chance is None else check_real("chance", chance)
         if pairwise is not None:
             _check_pairwise(pairwise)
         measured = _measurement(value)
@@ -444,11 +406,13 @@ class SaturationDetector:
         if version != _STATE_VERSION:
             raise ValueError(f"unsupported SaturationDetector state version {version!r} (expected {_STATE_VERSION})")
         try:
-            series: dict[tuple[str, str, str], _Series] = {}
+            series: dict[_Key, _Series] = {}
             for record in state["series"]:
                 restored = _Series.from_state(record)
                 restored.history = restored.history[-(self.patience + 1) :]
-                series[(str(record["layer"]), str(record["projection"]), str(record["metric"]))] = restored
+                projection: Projection = check_choice("projection", record["projection"], PROJECTIONS)
+                metric: Metric = check_choice("metric", record["metric"], METRICS)
+                series[(str(record["layer"]), projection, metric)] = restored
             events = [DiversityEvent.from_dict(e) for e in state["events"]]
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"malformed SaturationDetector state: {err!r}") from err
@@ -458,7 +422,7 @@ class SaturationDetector:
     # ------------------------------------------------------------------ detection
 
     def _update_series(
-        self, series: _Series, key: tuple[str, str, str], step: int, value: float, chance: float | None
+        self, series: _Series, key: _Key, step: int, value: float, chance: float | None
     ) -> list[DiversityEvent]:
         previous_best = series.best
         if series.best is None or value > series.best:
@@ -493,7 +457,7 @@ class SaturationDetector:
     def _check_redundancy(
         self,
         series: _Series,
-        key: tuple[str, str, str],
+        key: _Key,
         step: int,
         value: float | None,
         chance: float | None,
@@ -512,8 +476,8 @@ class SaturationDetector:
 
     def _event(
         self,
-        kind: str,
-        key: tuple[str, str, str],
+        kind: EventKind,
+        key: _Key,
         step: int,
         value: float,
         best: float | None,
@@ -529,7 +493,7 @@ class SaturationDetector:
             message = self._redundancy_message(key, step, chance, pairs)
         return DiversityEvent(kind, layer, projection, metric, step, value, best, chance, pairs, message)
 
-    def _subject(self, key: tuple[str, str, str]) -> str:
+    def _subject(self, key: _Key) -> str:
         layer, projection, metric = key
         name = _METRIC_NAMES[metric]
         if layer == "mean":
@@ -539,9 +503,7 @@ class SaturationDetector:
     def _worse_than_chance(self, value: float, chance: float | None) -> bool:
         return chance is not None and value < chance
 
-    def _saturation_message(
-        self, key: tuple[str, str, str], step: int, value: float, best: float | None, chance: float | None
-    ) -> str:
+    def _saturation_message(self, key: _Key, step: int, value: float, best: float | None, chance: float | None) -> str:
         if chance is None:
             ref = ""
         elif self._worse_than_chance(value, chance):
@@ -560,9 +522,7 @@ class SaturationDetector:
             f"{self.patience} measurements (now {value:.3f}, best {best:.3f}{ref}, step {step}): {advice}."
         )
 
-    def _collapse_message(
-        self, key: tuple[str, str, str], step: int, value: float, best: float | None, chance: float | None
-    ) -> str:
+    def _collapse_message(self, key: _Key, step: int, value: float, best: float | None, chance: float | None) -> str:
         assert best is not None
         drop = best - value
         head = (
@@ -581,7 +541,7 @@ class SaturationDetector:
         )
 
     def _redundancy_message(
-        self, key: tuple[str, str, str], step: int, chance: float | None, pairs: tuple[tuple[int, int, float], ...]
+        self, key: _Key, step: int, chance: float | None, pairs: tuple[tuple[int, int, float], ...]
     ) -> str:
         layer, projection, metric = key
         where = "The model mean's" if layer == "mean" else f"Layer '{layer}'"
