@@ -226,9 +226,7 @@ class AttentionLayer:
         for label, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             check_int(f"{name}: {label}", value)
         if num_heads % num_kv_heads:
-            raise ValueError(
-                f"{name}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-            )
+            raise ValueError(f"{name}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         check_choice(f"{name}: kv_map", kv_map, KVMap)
         self.kv_map = kv_map
         self.projection_dims = {p: head_dim for p in PROJECTIONS}

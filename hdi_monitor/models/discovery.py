@@ -26,8 +26,8 @@ __all__ = ["Discovery", "discover_attention", "find_attention_layers", "skipped_
 _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 _SPEC_EXAMPLE = (
-    "    spec = AttentionSpec(modules=r\"blocks\\.\\d+\\.attn$\", query=\"wq\", key=\"wk\", value=\"wv\",\n"
-    "                         output=\"wo\", num_heads=8)\n"
+    '    spec = AttentionSpec(modules=r"blocks\\.\\d+\\.attn$", query="wq", key="wk", value="wv",\n'
+    '                         output="wo", num_heads=8)\n'
     "    head_diversity(model, spec=spec)"
 )
 
@@ -46,10 +46,32 @@ def unwrapped_name(name: str) -> str:
 #: Class names that say "attention".
 _ATTENTION_CLASS = re.compile(r"attention|attn", re.IGNORECASE)
 #: Child names that say "attention projection".
-_QKV_CHILDREN = frozenset({
-    "q_proj", "k_proj", "v_proj", "query", "key", "value", "q", "k", "v", "wq", "wk", "wv", "to_q", "to_k", "to_v",
-    "q_lin", "k_lin", "v_lin", "query_proj", "key_proj", "value_proj", *FUSED_NAMES,
-})
+_QKV_CHILDREN = frozenset(
+    {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "query",
+        "key",
+        "value",
+        "q",
+        "k",
+        "v",
+        "wq",
+        "wk",
+        "wv",
+        "to_q",
+        "to_k",
+        "to_v",
+        "q_lin",
+        "k_lin",
+        "v_lin",
+        "query_proj",
+        "key_proj",
+        "value_proj",
+        *FUSED_NAMES,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -188,11 +210,14 @@ def _walk(
         claimed.append(raw_name)
         not_ready = _parameters_not_ready(module)
         if not_ready:
-            skipped.append(SkippedModule(
-                name, type(module).__name__,
-                f"{family}: parameters {not_ready[:4]} are on the meta device or uninitialised; materialise the "
-                "model (e.g. run a forward pass or load weights) before measuring it",
-            ))
+            skipped.append(
+                SkippedModule(
+                    name,
+                    type(module).__name__,
+                    f"{family}: parameters {not_ready[:4]} are on the meta device or uninitialised; materialise the "
+                    "model (e.g. run a forward pass or load weights) before measuring it",
+                )
+            )
             continue
         try:
             found.append(build(name, module))
@@ -204,11 +229,14 @@ def _walk(
         if any(_inside(raw_name, c) or _inside(c, raw_name) for c in claimed):
             continue  # inside a measured module, or a wrapper of one
         children = [n for n, _ in module.named_children()]
-        skipped.append(SkippedModule(
-            name, type(module).__name__,
-            f"looks like attention but no known layout matches (children: {children[:8]}); describe it with "
-            "AttentionSpec(modules=..., query=..., key=..., value=..., output=...)",
-        ))
+        skipped.append(
+            SkippedModule(
+                name,
+                type(module).__name__,
+                f"looks like attention but no known layout matches (children: {children[:8]}); describe it with "
+                "AttentionSpec(modules=..., query=..., key=..., value=..., output=...)",
+            )
+        )
     order = {unwrapped_name(n): i for i, (n, _) in enumerate(model.named_modules())}
     skipped.sort(key=lambda s: order.get(s.name, 0))
     return found, skipped, spec_hits

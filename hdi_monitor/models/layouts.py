@@ -12,6 +12,9 @@ Fused layouts differ by family and cannot be told apart by shape, so a fused ent
 to module classes; a module with a fused child that no entry knows is refused (see
 `fused_refusal`), never guessed.
 
+Size: about 300 of the module's lines are the `LAYOUTS` data table (one entry per layout, kept
+one field per line); the code that reads an entry is the rest.
+
 Fused row layouts (``nn.Linear`` rows, ``H`` query heads, ``H_kv`` key/value heads, width ``d``):
 
 * ``"contiguous"``: ``[q (H d) | k (H_kv d) | v (H_kv d)]``, each head-major (GPT-2, Phi-3, litgpt,
@@ -95,6 +98,11 @@ def _lookup(holders: list[Any], names: tuple[str, ...]) -> tuple[int | None, str
     return None, ""
 
 
+def _from_config(where: str | None) -> bool:
+    """Whether a `_lookup` location is a config (the module's own or the model's), not the module."""
+    return where is not None and where.startswith(("config.", "model.config."))
+
+
 def _holders(module: nn.Module, heads_at: str, root_config: Any) -> list[tuple[Any, str]]:
     holder = _get(module, heads_at) if heads_at else module
     out: list[tuple[Any, str]] = [(holder, type(holder).__name__)]
@@ -142,7 +150,16 @@ def resolve_heads(
     cls = type(module).__name__
     if head_dim is not None and inner % head_dim == 0:
         heads = inner // head_dim
-        if num_heads is not None and num_heads != heads and where.get("head_dim"):
+        if (
+            num_heads is not None
+            and num_heads != heads
+            and _from_config(where.get("num_heads"))
+            and not _from_config(where.get("head_dim"))
+        ):
+            # the module's own head_dim against a count from the config it shares with its siblings
+            # (a pruned Llama layer has fewer heads than config.num_attention_heads): the module wins
+            num_heads = heads
+        elif num_heads is not None and num_heads != heads and where.get("head_dim"):
             # a head_dim read from config may describe another width (e.g. a partial rotary dim)
             if inner % num_heads:
                 raise AdapterMismatch(
@@ -184,8 +201,10 @@ def resolve_heads(
         kv = kv_rows // head_dim
     else:
         kv = num_kv_heads or heads
-    if num_kv_heads is not None and num_kv_heads != kv and not where.get("num_kv_heads", "").startswith(
-        ("config.", "model.config.")
+    if (
+        num_kv_heads is not None
+        and num_kv_heads != kv
+        and not where.get("num_kv_heads", "").startswith(("config.", "model.config."))
     ):
         # given, or an attribute of the module itself: a contradiction. (A config attribute that the
         # module does not use, e.g. num_key_value_heads of an encoder-decoder, yields to the weights.)
@@ -337,10 +356,17 @@ def build_layer(
     if layout.qkv is None:
         q, k, v = (_get(module, p) for p in (layout.query, layout.key, layout.value))  # type: ignore[arg-type]
         if out_features(v) != out_features(k) or out_features(q) != inner:
-            heads, kv, d, dims = _split_widths(name, module, layout, q, k, v, inner, root_config, num_heads, num_kv_heads)
+            heads, kv, d, dims = _split_widths(
+                name, module, layout, q, k, v, inner, root_config, num_heads, num_kv_heads
+            )
         else:
             heads, kv, d = resolve_heads(
-                name, module, inner=inner, kv_rows=out_features(k), heads_at=layout.heads_at, root_config=root_config,
+                name,
+                module,
+                inner=inner,
+                kv_rows=out_features(k),
+                heads_at=layout.heads_at,
+                root_config=root_config,
                 **counts,
             )
         paths = (layout.query, layout.key, layout.value)
@@ -350,7 +376,12 @@ def build_layer(
         if out_features(_get(module, layout.cross_query)) != inner or fused_rows % 2:
             raise AdapterMismatch(f"{name}: {type(module).__name__}: cross-attention widths do not fit")
         heads, kv, d = resolve_heads(
-            name, module, inner=inner, kv_rows=fused_rows // 2, heads_at=layout.heads_at, root_config=root_config,
+            name,
+            module,
+            inner=inner,
+            kv_rows=fused_rows // 2,
+            heads_at=layout.heads_at,
+            root_config=root_config,
             **counts,
         )
         half = kv * d
@@ -365,8 +396,14 @@ def build_layer(
         assert packing is not None
         fused = _get(module, layout.qkv)
         heads, kv, d = resolve_heads(
-            name, module, inner=inner, fused_rows=out_features(fused), packing=packing, heads_at=layout.heads_at,
-            root_config=root_config, **counts,
+            name,
+            module,
+            inner=inner,
+            fused_rows=out_features(fused),
+            packing=packing,
+            heads_at=layout.heads_at,
+            root_config=root_config,
+            **counts,
         )
         qkv_path = layout.qkv
 
@@ -394,8 +431,16 @@ def build_layer(
 
 
 def _split_widths(
-    name: str, module: nn.Module, layout: Layout, q: nn.Module, k: nn.Module, v: nn.Module, inner: int,
-    root_config: Any, num_heads: int | None, num_kv_heads: int | None,
+    name: str,
+    module: nn.Module,
+    layout: Layout,
+    q: nn.Module,
+    k: nn.Module,
+    v: nn.Module,
+    inner: int,
+    root_config: Any,
+    num_heads: int | None,
+    num_kv_heads: int | None,
 ) -> tuple[int, int, int, dict[str, int]]:
     """Query/key heads of width ``d_qk`` and value heads of width ``d_v != d_qk`` (MiMo, some speech
     encoders): ``H`` must be known (given or an attribute); ``d_v`` is the out-projection's input / H."""
@@ -421,10 +466,16 @@ def _split_widths(
 
 #: Classes that look like a known layout but compute attention differently: refused with the reason.
 REFUSED: tuple[tuple[str, str], ...] = (
-    (r"\w*(Delta|Linear|Lightning)\w*Attention", "linear attention (no softmax kernel over q/k); its heads are not "
-                                                 "the Nadaraya-Watson heads the HDI describes. Not measured"),
-    (r"DiffLlama\w*Attention", "differential attention pairs heads (two softmax maps per value head); its heads are "
-                              "not q/k/v row blocks. Not measured; describe the heads you mean with an AttentionSpec"),
+    (
+        r"\w*(Delta|Linear|Lightning)\w*Attention",
+        "linear attention (no softmax kernel over q/k); its heads are not "
+        "the Nadaraya-Watson heads the HDI describes. Not measured",
+    ),
+    (
+        r"DiffLlama\w*Attention",
+        "differential attention pairs heads (two softmax maps per value head); its heads are "
+        "not q/k/v row blocks. Not measured; describe the heads you mean with an AttentionSpec",
+    ),
 )
 
 
@@ -467,6 +518,8 @@ def _has_n_head(module: nn.Module) -> bool:
     return _positive_int(getattr(module, "n_head", None)) is not None
 
 
+# A data table, one compact entry per layout: kept as written, not reformatted.
+# fmt: off
 LAYOUTS: tuple[Layout, ...] = (
     Layout("timm_vit", "proj", qkv="qkv", packing="contiguous", classes=r"Attention|AttentionRope",
            when=lambda m: _positive_int(getattr(m, "num_heads", None)) is not None, masked=False,
@@ -552,6 +605,7 @@ LAYOUTS: tuple[Layout, ...] = (
            kv_map="modulo", used_by="x-transformers Attention (GQA maps query head h to h % H_kv)"),
     Layout("wqkvo", "wo", "wq", "wk", "wv", used_by="Meta-reference style wq/wk/wv/wo"),
 )
+# fmt: on
 
 
 #: The model config of the discovery under way (for modules without a config of their own).

@@ -56,11 +56,15 @@ def _norm_weight(norm: nn.Module, size: int) -> Tensor:
 
 def _build(name: str, module: nn.Module) -> AttentionLayer:
     cls = type(module).__name__
-    dims = {a: _int(module, a) for a in ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")}
+    dims = {
+        a: _int(module, a) for a in ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+    }
     missing = [a for a, v in dims.items() if v is None]
     if missing:
         raise AdapterMismatch(f"{name}: {cls} looks like Multi-head Latent Attention but has no {missing}")
-    heads, nope, rope, dv, rank = (dims[a] for a in ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank"))
+    heads, nope, rope, dv, rank = (
+        dims[a] for a in ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+    )
     assert heads and nope and rope and dv and rank
     q_lora = is_projection(getattr(module, "q_b_proj", None)) and getattr(module, "q_proj", None) is None
 

@@ -115,7 +115,9 @@ class AttentionSpec:
         separate = [p for p in ("query", "key", "value") if getattr(self, p) is not None]
         if self.qkv is not None:
             if separate:
-                raise ValueError(f"AttentionSpec: give either qkv or query/key/value, not both (got qkv and {separate})")
+                raise ValueError(
+                    f"AttentionSpec: give either qkv or query/key/value, not both (got qkv and {separate})"
+                )
             if self.qkv_layout not in PACKINGS:
                 raise ValueError(
                     f"AttentionSpec.qkv needs qkv_layout, one of {PACKINGS} (got {self.qkv_layout!r}): the row "
@@ -200,8 +202,13 @@ class AttentionSpec:
                 if len(rows) != 2:
                     raise ValueError(f"{name}: qkv weight must be 2-D (nn.Linear layout), got shape {tuple(rows)}")
                 heads, kv, d = resolve_heads(
-                    name, module, inner=out_shape[1], fused_rows=rows[0], packing=self.qkv_layout,
-                    root_config=root_config, **given,
+                    name,
+                    module,
+                    inner=out_shape[1],
+                    fused_rows=rows[0],
+                    packing=self.qkv_layout,
+                    root_config=root_config,
+                    **given,
                 )
                 layout = self.qkv_layout
 
@@ -214,14 +221,20 @@ class AttentionSpec:
                 tensors = {p: sources[p]() for p in sources}
                 for p, t in tensors.items():
                     if t.ndim != 2:
-                        raise ValueError(f"{name}: {p} weight must be 2-D (nn.Linear layout), got shape {tuple(t.shape)}")
+                        raise ValueError(
+                            f"{name}: {p} weight must be 2-D (nn.Linear layout), got shape {tuple(t.shape)}"
+                        )
                 if tensors["key"].shape[0] != tensors["value"].shape[0]:
                     raise ValueError(
                         f"{name}: key weight has {tensors['key'].shape[0]} rows and value {tensors['value'].shape[0]}; "
                         "they must split into the same key/value heads"
                     )
                 heads, kv, d = resolve_heads(
-                    name, module, inner=out_shape[1], kv_rows=tensors["key"].shape[0], root_config=root_config,
+                    name,
+                    module,
+                    inner=out_shape[1],
+                    kv_rows=tensors["key"].shape[0],
+                    root_config=root_config,
                     **given,
                 )
                 if tensors["query"].shape[0] != heads * d:
@@ -297,7 +310,4 @@ def as_specs(spec: AttentionSpec | Sequence[AttentionSpec] | None) -> tuple[Atte
         return (spec,)
     if isinstance(spec, (list, tuple)) and all(isinstance(s, AttentionSpec) for s in spec):
         return tuple(spec)
-    raise TypeError(
-        f"spec must be an AttentionSpec, a list of AttentionSpec or None, got {type(spec).__name__}"
-    )
-
+    raise TypeError(f"spec must be an AttentionSpec, a list of AttentionSpec or None, got {type(spec).__name__}")

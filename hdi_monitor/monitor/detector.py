@@ -448,10 +448,9 @@ class SaturationDetector:
             ):
                 series.saturation_armed = True  # improving again: the next plateau is news
 
-        if not series.collapse_fired and previous_best is not None:
-            if series.best - value > self.collapse_delta:
-                series.collapse_fired = True
-                events.append(self._event("collapse", key, step, value, series.best, chance))
+        if not series.collapse_fired and previous_best is not None and series.best - value > self.collapse_delta:
+            series.collapse_fired = True
+            events.append(self._event("collapse", key, step, value, series.best, chance))
         return events
 
     def _check_redundancy(
