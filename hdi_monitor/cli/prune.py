@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hdi_monitor.cli._common import CLIError
+from hdi_monitor.cli._common import CLIError, add_model_arguments
 
 HELP = "rank heads (diversity, importance, random), ablate a fraction and measure the fidelity on held-out inputs"
 
@@ -30,9 +30,7 @@ RANKINGS = ("diversity", "importance", "combined", "random")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "path", metavar="MODEL", help="Hugging Face model folder, Lightning checkpoint, or state_dict file"
-    )
+    add_model_arguments(parser, path_metavar="MODEL")
     parser.add_argument(
         "--inputs", metavar="FILE", required=True, help="a .txt file (one example per line) or a .pt file of batches"
     )
@@ -53,15 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--holdout", type=float, default=0.5, metavar="P", help="share of the batches held out (default: 0.5)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random ranking (default: 0)")
-    parser.add_argument(
-        "--module", metavar="PACKAGE.CLASS", help="LightningModule class to rebuild a Lightning checkpoint"
-    )
-    parser.add_argument(
-        "--config", metavar="CONFIG", help="Hugging Face config.json (or its folder) for a plain state_dict"
-    )
-    parser.add_argument(
-        "--layers", metavar="REGEX", help="only attention layers whose qualified name matches this regex"
-    )
     parser.add_argument(
         "--allow-pickle", action="store_true", help="allow full unpickling of MODEL/--inputs (trusted files only)"
     )

@@ -85,6 +85,8 @@ class CharLM(pl.LightningModule):
         vocab_size: byte vocabulary.
     """
 
+    causal: Tensor  # (seq_len, seq_len) additive causal mask, a non-persistent buffer
+
     def __init__(
         self,
         d_model: int = 128,
@@ -129,7 +131,7 @@ class CharLM(pl.LightningModule):
         self.log("val_bits_per_char", loss / math.log(2))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=0.01)
 
 
 def run_demo(

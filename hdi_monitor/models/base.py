@@ -140,7 +140,17 @@ def split_in_features(weight: Tensor, heads: int) -> Tensor:
 def linear_sources(query: nn.Module, key: nn.Module, value: nn.Module, output: nn.Module) -> dict[str, WeightSource]:
     """Weight sources for four ``nn.Linear``-layout modules; each reads ``.weight`` when called."""
     modules = {"query": query, "key": key, "value": value, "output": output}
-    return {p: (lambda m=m: m.weight) for p, m in modules.items()}
+    return {p: _weight_reader(m) for p, m in modules.items()}
+
+
+def _weight_reader(m: nn.Module) -> WeightSource:
+    def read() -> Tensor:
+        w = m.weight
+        if not isinstance(w, Tensor):
+            raise AdapterMismatch(f"{type(m).__name__}.weight is a {type(w).__name__}, not a tensor")
+        return w
+
+    return read
 
 
 def _check_divides(layer: str, projection: str, size: int, heads: int, head_dim: int, what: str) -> None:
@@ -229,7 +239,7 @@ class AttentionLayer:
             raise ValueError(f"{name}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         check_choice(f"{name}: kv_map", kv_map, KVMap)
         self.kv_map = kv_map
-        self.projection_dims = {p: head_dim for p in PROJECTIONS}
+        self.projection_dims: dict[str, int] = {p: head_dim for p in PROJECTIONS}
         self.projection_dims.update(projection_dims or {})
         self.notes = tuple(notes)
         self.name = name
@@ -266,12 +276,12 @@ class AttentionLayer:
             return head % self.num_kv_heads
         return head // (self.num_heads // self.num_kv_heads)
 
-    def heads_for(self, projection: str) -> int:
+    def heads_for(self, projection: Projection) -> int:
         """Number of heads of ``projection``: ``num_kv_heads`` for key/value, else ``num_heads``."""
         check_projection(projection)
         return self.num_kv_heads if projection in ("key", "value") else self.num_heads
 
-    def head_weights(self, projection: str) -> Tensor:
+    def head_weights(self, projection: Projection) -> Tensor:
         """Per-head weights of one projection, ``(heads, D_in, d)``.
 
         Detached, in the parameter's own dtype and device (no copy to CPU); DTensor parameters are

@@ -33,6 +33,7 @@ import contextvars
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal, get_args
 
 from einops import rearrange
@@ -74,7 +75,7 @@ FUSED_NAMES = ("qkv", "c_attn", "query_key_value", "qkv_proj", "Wqkv", "W_pack",
 _VISION_CLASS = re.compile(r"^(ViT|Vit|DeiT|Deit|Dinov2|Dinov2WithRegisters|\w*Vision)\w*Attention$")
 
 
-def _get(module: nn.Module, path: str) -> Any:
+def _get(module: nn.Module, path: str | None) -> Any:
     obj: Any = module
     for part in path.split(".") if path else ():
         obj = getattr(obj, part, None)
@@ -331,7 +332,7 @@ class Layout:
         return build_layer(self, name, module, root_config=root_config, **given)
 
 
-def _source(module: nn.Module, path: str) -> WeightSource:
+def _source(module: nn.Module, path: str | None) -> WeightSource:
     return lambda: linear_weight(_get(module, path))
 
 
@@ -350,11 +351,11 @@ def build_layer(
     """Build the layer of ``module`` under ``layout`` (see `resolve_heads` for the head counts)."""
     out_mod = _get(module, layout.output)
     inner = in_features(out_mod)
-    counts = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     weights: dict[str, WeightSource]
     dims: dict[str, int] | None = None
     if layout.qkv is None:
-        q, k, v = (_get(module, p) for p in (layout.query, layout.key, layout.value))  # type: ignore[arg-type]
+        paths = (layout.query, layout.key, layout.value)
+        q, k, v = (_get(module, p) for p in paths)
         if out_features(v) != out_features(k) or out_features(q) != inner:
             heads, kv, d, dims = _split_widths(
                 name, module, layout, q, k, v, inner, root_config, num_heads, num_kv_heads
@@ -367,9 +368,10 @@ def build_layer(
                 kv_rows=out_features(k),
                 heads_at=layout.heads_at,
                 root_config=root_config,
-                **counts,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
             )
-        paths = (layout.query, layout.key, layout.value)
         weights = {p: _source(module, path) for p, path in zip(("query", "key", "value"), paths, strict=True)}
     elif layout.cross_query is not None:
         fused_rows = out_features(_get(module, layout.qkv))
@@ -382,7 +384,9 @@ def build_layer(
             kv_rows=fused_rows // 2,
             heads_at=layout.heads_at,
             root_config=root_config,
-            **counts,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
         )
         half = kv * d
         qkv_path = layout.qkv
@@ -403,7 +407,9 @@ def build_layer(
             packing=packing,
             heads_at=layout.heads_at,
             root_config=root_config,
-            **counts,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
         )
         qkv_path = layout.qkv
 
@@ -612,6 +618,10 @@ LAYOUTS: tuple[Layout, ...] = (
 ROOT_CONFIG: contextvars.ContextVar[Any] = contextvars.ContextVar("hdi_monitor_root_config", default=None)
 
 
+def _matches_any(first: Callable[[str, nn.Module], Layout | None], name: str, module: nn.Module) -> bool:
+    return first(name, module) is not None
+
+
 def layout_adapters(layouts: tuple[Layout, ...] = LAYOUTS) -> list[Adapter]:
     """The layout table as registry `Adapter` objects: one per family label, in table order,
     trying that family's entries in order."""
@@ -634,7 +644,7 @@ def layout_adapters(layouts: tuple[Layout, ...] = LAYOUTS) -> list[Adapter]:
             Adapter(
                 family=family,
                 classes="; ".join(e.used_by or ", ".join(e.children()) for e in entries),
-                match=lambda name, module, _first=first: _first(name, module) is not None,
+                match=partial(_matches_any, first),
                 build=build,
             )
         )

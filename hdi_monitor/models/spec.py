@@ -182,9 +182,10 @@ class AttentionSpec:
         except ValueError as exc:
             if self._pattern is None or self._pattern.fullmatch(name) is not None:
                 raise
+            pattern = self._pattern.pattern
             raise type(exc)(
-                f"{exc}. The regex {self.modules!r} matched part of {name!r} (modules= is searched with "
-                f"re.search); anchor it, e.g. {'^' + self.modules.lstrip('^').rstrip('$') + '$'!r}, to match "
+                f"{exc}. The regex {pattern!r} matched part of {name!r} (modules= is searched with "
+                f"re.search); anchor it, e.g. {'^' + pattern.lstrip('^').rstrip('$') + '$'!r}, to match "
                 "whole names only"
             ) from None
 
@@ -193,7 +194,6 @@ class AttentionSpec:
         out_shape = tuple(out_src().shape)
         if len(out_shape) != 2:
             raise ValueError(f"{name}: output weight must be 2-D (nn.Linear layout), got shape {out_shape}")
-        given = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
         sources: dict[str, WeightSource]
         try:
             if self.qkv is not None:
@@ -208,7 +208,9 @@ class AttentionSpec:
                     fused_rows=rows[0],
                     packing=self.qkv_layout,
                     root_config=root_config,
-                    **given,
+                    num_heads=self.num_heads,
+                    num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_dim,
                 )
                 layout = self.qkv_layout
 
@@ -235,7 +237,9 @@ class AttentionSpec:
                     inner=out_shape[1],
                     kv_rows=tensors["key"].shape[0],
                     root_config=root_config,
-                    **given,
+                    num_heads=self.num_heads,
+                    num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_dim,
                 )
                 if tensors["query"].shape[0] != heads * d:
                     raise ValueError(

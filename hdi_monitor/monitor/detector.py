@@ -189,13 +189,10 @@ def _measurement(value: Any) -> float | None:
         if value.numel() != 1:
             raise ValueError(f"value must be a scalar, got a tensor of shape {tuple(value.shape)}")
         value = value.item()
-    if isinstance(value, (bool, str, bytes)):
-        raise TypeError(f"value must be a real number or None, got {type(value).__name__}")
     try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"value must be a real number or None, got {type(value).__name__}") from None
-    return out if math.isfinite(out) else None
+        return check_real("value", value)  # TypeError for a string, a bool or a non-number
+    except ValueError:  # NaN or inf
+        return None
 
 
 @dataclass
