@@ -216,7 +216,7 @@ def _check_weighting(weighting: str) -> str:
 
 def compute_report(
     layers: list[AttentionLayer],
-    projections: Sequence[str] = ("key",),
+    projections: Sequence[str] = PROJECTIONS,
     weighting: str = "spectral",
     *,
     fsdp_root: nn.Module | None = None,
@@ -272,8 +272,8 @@ def compute_report(
                 "measuring it (find_attention_layers skips such layers with a warning)"
             )
         heads, d_in, d = w.shape
-        results[i].chance_hdi[proj] = chance_hdi(d_in, d, weighting)  # type: ignore[arg-type]
-        results[i].max_hdi[proj] = max_hdi(heads, d, d_in)
+        results[i].chance_hdi[proj] = chance_hdi(model_dim=d_in, head_dim=d, weighting=weighting)  # type: ignore[arg-type]
+        results[i].max_hdi[proj] = max_hdi(num_heads=heads, head_dim=d, model_dim=d_in)
         return w
 
     with torch.no_grad():
@@ -386,7 +386,7 @@ def _add_activation_stats(
 def head_diversity(
     model: nn.Module,
     *,
-    projections: Sequence[str] = ("key",),
+    projections: Sequence[str] = PROJECTIONS,
     weighting: str = "spectral",
     spec: AttentionSpec | Sequence[AttentionSpec] | None = None,
     layers: str | Sequence[str] | None = None,

@@ -550,7 +550,7 @@ def test_one_head_or_one_valid_head_has_no_hdi(weighting):
     heads[0] = 0.0
     heads[2, 0, 0] = float("nan")
     assert torch.isnan(head_diversity_index(subspace_overlap(heads, weighting)))
-    assert max_hdi(1, 64, 768) is None
+    assert max_hdi(num_heads=1, head_dim=64, model_dim=768) is None
 
 
 def test_head_diversity_index_against_numpy():
@@ -614,7 +614,7 @@ def test_chance_level_uniform_monte_carlo(dim, width):
     se = math.sqrt(var / n)
     assert abs(rho.mean().item() - mean) < 4 * se
     assert rho.var().item() == pytest.approx(var, rel=0.15)
-    assert 1 - rho.mean().item() == pytest.approx(chance_hdi(dim, width, "uniform"), abs=4 * se)
+    assert 1 - rho.mean().item() == pytest.approx(chance_hdi(model_dim=dim, head_dim=width, weighting="uniform"), abs=4 * se)
 
 
 @pytest.mark.parametrize(("dim", "width"), [(16, 4), (32, 8), (12, 20)])
@@ -625,7 +625,7 @@ def test_chance_level_spectral_monte_carlo(dim, width):
     # (about 3e-6 for D=768, d=64).
     n = 4000
     rho = _offdiag_pairs(n, dim, width, seed=100 + dim, weighting="spectral").double()
-    level = 1 - chance_hdi(dim, width, "spectral")
+    level = 1 - chance_hdi(model_dim=dim, head_dim=width, weighting="spectral")
     assert level == pytest.approx(width / (dim + width + 1))
     se = rho.std().item() / math.sqrt(n)
     bias_bound = 4 * level / (dim * width)
@@ -637,8 +637,8 @@ def test_chance_level_of_a_wide_random_layer():
     heads = _randn(64, 96, 8, seed=5)
     for weighting, tol in (("uniform", 0.01), ("spectral", 0.01)):
         hdi = head_diversity_index(subspace_overlap(heads, weighting)).item()
-        assert hdi == pytest.approx(chance_hdi(96, 8, weighting), abs=tol)
-    assert chance_hdi(8, 16, "uniform") == 0.0  # d >= D: every head spans R^D
+        assert hdi == pytest.approx(chance_hdi(model_dim=96, head_dim=8, weighting=weighting), abs=tol)
+    assert chance_hdi(model_dim=8, head_dim=16, weighting="uniform") == 0.0  # d >= D: every head spans R^D
 
 
 @pytest.mark.parametrize("weighting", WEIGHTINGS)
@@ -649,7 +649,7 @@ def test_frame_bound_is_attained_by_tight_fusion_frames(dim, width, copies, weig
     heads = torch.cat([rearrange(_orthogonal(dim, seed=s), "D (h d) -> h D d", d=width) for s in range(copies)])
     heads = heads @ torch.stack([_orthogonal(width, seed=100 + i) for i in range(heads.shape[0])])
     num = heads.shape[0]
-    bound = max_hdi(num, width, dim)
+    bound = max_hdi(num_heads=num, head_dim=width, model_dim=dim)
     assert bound == pytest.approx(1 - (num * width / dim - 1) / (num - 1))
     assert head_diversity_index(subspace_overlap(heads, weighting)).item() == pytest.approx(bound, abs=1e-12)
 
@@ -657,7 +657,7 @@ def test_frame_bound_is_attained_by_tight_fusion_frames(dim, width, copies, weig
 @HYPO
 @given(num_heads=st.integers(2, 8), dim=st.integers(2, 16), width=st.integers(1, 8), seed=st.integers(0, 2**16))
 def test_frame_bound_holds_for_random_heads(num_heads, dim, width, seed):
-    bound = max_hdi(num_heads, width, dim)
+    bound = max_hdi(num_heads=num_heads, head_dim=width, model_dim=dim)
     hdi = head_diversity_index(subspace_overlap(_randn(num_heads, dim, width, seed=seed), "uniform")).item()
     assert 0.0 <= bound <= 1.0
     assert hdi <= bound + 1e-6
@@ -667,7 +667,7 @@ def test_frame_bound_holds_for_random_heads(num_heads, dim, width, seed):
 
 def test_max_hdi_when_heads_are_wider_than_the_model():
     # d >= D: every head spans R^D, so the HDI is 0 (not negative).
-    assert max_hdi(2, 10, 5) == 0.0
+    assert max_hdi(num_heads=2, head_dim=10, model_dim=5) == 0.0
     hdi = head_diversity_index(subspace_overlap(_randn(2, 5, 10, seed=1), "uniform"))
     assert hdi.item() == pytest.approx(0.0, abs=1e-6)
 
@@ -700,9 +700,9 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="chunk_size"):
         pairwise_principal_angles(good, chunk_size=0)
     for bad in (0, -3, 2.5, True):
-        with pytest.raises(ValueError, match="positive integer"):
-            chance_hdi(bad, 4)
-        with pytest.raises(ValueError, match="positive integer"):
-            max_hdi(4, bad, 16)
+        with pytest.raises(ValueError, match="model_dim must be an integer >= 1"):
+            chance_hdi(model_dim=bad, head_dim=4)
+        with pytest.raises(ValueError, match="head_dim must be an integer >= 1"):
+            max_hdi(num_heads=4, head_dim=bad, model_dim=16)
     with pytest.raises(ValueError, match="weighting must be one of"):
-        chance_hdi(16, 4, "cosine")
+        chance_hdi(model_dim=16, head_dim=4, weighting="cosine")

@@ -43,9 +43,7 @@ def resolve_layers(model: nn.Module, layers: Sequence[AttentionLayer] | None = N
     return {layer.name: layer for layer in layers}
 
 
-def check_heads(
-    heads: Mapping[str, Iterable[int]], by_name: Mapping[str, AttentionLayer]
-) -> dict[str, list[int]]:
+def check_heads(heads: Mapping[str, Iterable[int]], by_name: Mapping[str, AttentionLayer]) -> dict[str, list[int]]:
     """Validate ``{layer name: head indices}``; returns sorted, de-duplicated lists.
 
     Raises:
@@ -192,7 +190,11 @@ def head_output_means(
             mask = mask.to(device=o.device, dtype=torch.bool)
             keep = mask if keep is None else keep & mask
         flat = o.reshape(-1, o.shape[-1]).to(torch.float64)
-        w = torch.ones(flat.shape[0], dtype=torch.float64, device=o.device) if keep is None else keep.reshape(-1).to(torch.float64)
+        w = (
+            torch.ones(flat.shape[0], dtype=torch.float64, device=o.device)
+            if keep is None
+            else keep.reshape(-1).to(torch.float64)
+        )
         sums[name] = sums.get(name, 0) + w @ flat
         counts[name] = counts.get(name, 0) + w.sum()
 

@@ -85,7 +85,9 @@ def ablate_heads(
         mean = means[name]
         width = layer.num_heads * layer.head_dim
         if not isinstance(mean, Tensor) or tuple(mean.shape) != (width,):
-            raise ValueError(f"means[{name!r}] must be a tensor of shape ({width},), got {getattr(mean, 'shape', mean)!r}")
+            raise ValueError(
+                f"means[{name!r}] must be a tensor of shape ({width},), got {getattr(mean, 'shape', mean)!r}"
+            )
         edits[name] = mean_edit(idx, layer.num_heads, mean)
     with edit_head_outputs(by_name, edits):
         yield model

@@ -79,7 +79,9 @@ def _nearest(e: Tensor) -> Tensor:
 def fidelity(full: Tensor, ablated: Tensor, full_neighbours: Tensor | None = None) -> dict[str, float]:
     """``{"cosine": mean cosine(full_i, ablated_i), "neighbours_kept": fraction of same nearest neighbour}``."""
     if full.shape != ablated.shape or full.ndim != 2 or full.shape[0] < 2:
-        raise ValueError(f"need two (N >= 2, D) embeddings of the same shape, got {tuple(full.shape)} and {tuple(ablated.shape)}")
+        raise ValueError(
+            f"need two (N >= 2, D) embeddings of the same shape, got {tuple(full.shape)} and {tuple(ablated.shape)}"
+        )
     nn_full = _nearest(full) if full_neighbours is None else full_neighbours
     return {
         "cosine": float(F.cosine_similarity(full, ablated, dim=-1).mean()),
@@ -137,5 +139,13 @@ def sweep(
             chosen = select_heads(order, k, counts)
             with ablate_heads(model, chosen, layers=layers):
                 ablated = embed(model, heldout)
-            rows.append({"ranking": name, "fraction": float(f), "removed": k, **fidelity(full, ablated, nn_full), "heads": chosen})
+            rows.append(
+                {
+                    "ranking": name,
+                    "fraction": float(f),
+                    "removed": k,
+                    **fidelity(full, ablated, nn_full),
+                    "heads": chosen,
+                }
+            )
     return rows

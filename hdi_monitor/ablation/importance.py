@@ -56,16 +56,20 @@ def head_importance(
     with torch.enable_grad(), eval_mode(model):
         for batch in iter_batches(batches):
             gates = {
-                name: torch.ones(lay.num_heads, dtype=torch.float32, device=lay.head_weights("output").device, requires_grad=True)
+                name: torch.ones(
+                    lay.num_heads, dtype=torch.float32, device=lay.head_weights("output").device, requires_grad=True
+                )
                 for name, lay in by_name.items()
             }
             edits = {name: gate_edit(gate, by_name[name].num_heads) for name, gate in gates.items()}
             with edit_head_outputs(by_name, edits):
                 loss = loss_fn(model, batch)
             if not isinstance(loss, Tensor) or loss.numel() != 1:
-                raise ValueError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss).__name__)}")
+                raise ValueError(
+                    f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss).__name__)}"
+                )
             grads = torch.autograd.grad(loss.reshape(()), list(gates.values()), allow_unused=True)
-            for (name, gate), g in zip(gates.items(), grads):
+            for (name, gate), g in zip(gates.items(), grads, strict=True):
                 g = torch.zeros_like(gate) if g is None else g.detach()
                 totals[name] = totals.get(name, 0) + g.abs()
             seen += 1

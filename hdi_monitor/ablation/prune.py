@@ -153,7 +153,9 @@ def _check_layout(layer: AttentionLayer) -> PruneLayout:
             raise ValueError(f"{layer.name}: {path} is sharded (DTensor); prune the unsharded model")  # noqa: TRY004
         if layout.conv1d != (type(child).__name__ == "Conv1D"):
             kind = "Conv1D" if layout.conv1d else "nn.Linear"
-            raise ValueError(f"{layer.name}: family {layer.family!r} pruning expects {path} to be a {kind}, got {type(child).__name__}")
+            raise ValueError(
+                f"{layer.name}: family {layer.family!r} pruning expects {path} to be a {kind}, got {type(child).__name__}"
+            )
         if not layout.conv1d and not isinstance(child, nn.Linear):
             raise ValueError(f"{layer.name}: {path} is a {type(child).__name__}, expected nn.Linear")
     if layer.family == "gpt2" and (getattr(mod, "is_cross_attention", False) or hasattr(mod, "q_attn")):
@@ -256,5 +258,7 @@ def prune_heads(
         lay = found.get(name)
         if lay is None or (lay.num_heads, lay.num_kv_heads) != (new_h, new_kv):
             got = None if lay is None else (lay.num_heads, lay.num_kv_heads)
-            raise RuntimeError(f"{name}: after pruning discovery reads (heads, kv heads) = {got}, expected {(new_h, new_kv)}")
+            raise RuntimeError(
+                f"{name}: after pruning discovery reads (heads, kv heads) = {got}, expected {(new_h, new_kv)}"
+            )
     return model

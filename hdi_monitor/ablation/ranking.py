@@ -106,7 +106,9 @@ def head_similarity(
             assert lay.correlation is not None
             views.append(lay.correlation.float().clamp_min(0.0))
         if not views:
-            raise ValueError(f"{lay.name}: grouped-query layer with only key/value projections and no inputs: no view left")
+            raise ValueError(
+                f"{lay.name}: grouped-query layer with only key/value projections and no inputs: no view left"
+            )
         sim = torch.stack([v.float() for v in views]).nan_to_num(nan=1.0).mean(0)
         sim.fill_diagonal_(1.0)
         out[lay.name] = sim
@@ -135,7 +137,7 @@ def redundancy_scores(similarity: Mapping[str, Tensor]) -> list[tuple[str, int, 
             sub = similarity[name][rest][:, rest].clone()
             sub.fill_diagonal_(-float("inf"))
             scores = sub.max(1).values.tolist()
-            for h, score in zip(rest, scores):
+            for h, score in zip(rest, scores, strict=True):
                 key = (-score, pos, h)
                 if best is None or key < best:
                     best = key

@@ -1,21 +1,31 @@
-"""The ``hdi-monitor`` console script: a thin dispatcher over `hdi_monitor.cli._common`."""
+"""The ``hdi-monitor`` console script: a thin dispatcher over the subcommand modules.
+
+Each subcommand is a module of this package exposing ``HELP: str``, ``add_arguments(parser)`` and
+``run(args) -> int``; it reports bad user input by raising `CLIError`, which `main` turns into a
+one-line message on stderr and exit status 2. The subcommand modules are imported plainly: each
+one imports its heavy dependencies (Lightning, transformers, scipy, matplotlib) inside ``run``, so
+importing all four costs about 20 ms on top of ``import hdi_monitor``.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 from hdi_monitor import __version__
-from hdi_monitor.cli._common import SUBCOMMANDS, CLIError
+from hdi_monitor.cli import allocate, demo, prune, report
+from hdi_monitor.cli._common import CLIError
 
+__all__ = ["SUBCOMMANDS", "CLIError", "build_parser", "main"]
 
-def _load(name: str):
-    return importlib.import_module(SUBCOMMANDS[name])
+#: Subcommand name -> its module, in the order ``hdi-monitor --help`` lists them.
+SUBCOMMANDS: dict[str, ModuleType] = {"demo": demo, "report": report, "allocate": allocate, "prune": prune}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``hdi-monitor`` with every subcommand."""
     parser = argparse.ArgumentParser(
         prog="hdi-monitor",
         description="Attention-head diversity (HDI) for transformers: reports, demo training, allocation advice.",
@@ -23,13 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hdi-monitor {__version__}")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMANDS:
-        try:
-            module = _load(name)
-        except ModuleNotFoundError as err:  # a subcommand whose module is not built yet
-            if err.name != SUBCOMMANDS[name]:
-                raise
-            continue
+    for name, module in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
         module.add_arguments(p)
@@ -66,9 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - one line unless --debug
         if args.debug:
             raise
-        print(f"hdi-monitor {args.command}: internal error: {type(err).__name__}: {err} (rerun with --debug)", file=sys.stderr)
+        print(
+            f"hdi-monitor {args.command}: internal error: {type(err).__name__}: {err} (rerun with --debug)",
+            file=sys.stderr,
+        )
         return 1
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -1,5 +1,7 @@
-"""``python -m hdi_monitor.cli``: the same as the ``hdi-monitor`` console script."""
+"""``python -m hdi_monitor.cli``: the ``hdi-monitor`` console script."""
+
+import sys
 
 from hdi_monitor.cli import main
 
-raise SystemExit(main())
+sys.exit(main())

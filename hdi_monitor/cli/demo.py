@@ -42,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     print(f"TensorBoard logs written to {log_dir}")
-    print(f"Open the dashboards with:  tensorboard --logdir {args.out}   (Custom Scalars tab: one chart per projection)")
+    print(
+        f"Open the dashboards with:  tensorboard --logdir {args.out}   (Custom Scalars tab: one chart per projection)"
+    )
     ckpt = log_dir / "checkpoints" / "last.ckpt"
     if ckpt.is_file():
         print(f"Report on the trained weights:  hdi-monitor report {ckpt} --module hdi_monitor.contrib.demo.CharLM")

@@ -138,7 +138,7 @@ def plot_hdi_by_layer(report: DiversityReport, path: str | Path, *, title: str |
 
     chance_drawn: dict[tuple[float, ...], str] = {}
     for p in report.projections:
-        color = colors.get(p, None)
+        color = colors.get(p)
         ax.plot(
             x,
             series([lay.hdi.get(p) for lay in report.layers]),

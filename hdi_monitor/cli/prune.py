@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hdi_monitor.cli._common import CLIError
+from hdi_monitor.cli._common import CLIError, add_model_arguments
 
 HELP = "rank heads (diversity, importance, random), ablate a fraction and measure the fidelity on held-out inputs"
 
@@ -30,20 +30,30 @@ RANKINGS = ("diversity", "importance", "combined", "random")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", metavar="MODEL", help="Hugging Face model folder, Lightning checkpoint, or state_dict file")
-    parser.add_argument("--inputs", metavar="FILE", required=True, help="a .txt file (one example per line) or a .pt file of batches")
-    parser.add_argument("--fraction", type=float, required=True, metavar="F", help="largest fraction of heads to remove, in (0, 1)")
+    add_model_arguments(parser, path_metavar="MODEL")
     parser.add_argument(
-        "--rank", action="append", choices=RANKINGS, metavar="RANKING",
+        "--inputs", metavar="FILE", required=True, help="a .txt file (one example per line) or a .pt file of batches"
+    )
+    parser.add_argument(
+        "--fraction", type=float, required=True, metavar="F", help="largest fraction of heads to remove, in (0, 1)"
+    )
+    parser.add_argument(
+        "--rank",
+        action="append",
+        choices=RANKINGS,
+        metavar="RANKING",
         help=f"ranking(s) to compare, repeatable: {', '.join(RANKINGS)} (default: diversity, importance, random)",
     )
-    parser.add_argument("--out", metavar="DIR", required=True, help="folder for results.json, results.md and fidelity.png")
-    parser.add_argument("--holdout", type=float, default=0.5, metavar="P", help="share of the batches held out (default: 0.5)")
+    parser.add_argument(
+        "--out", metavar="DIR", required=True, help="folder for results.json, results.md and fidelity.png"
+    )
+    parser.add_argument(
+        "--holdout", type=float, default=0.5, metavar="P", help="share of the batches held out (default: 0.5)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random ranking (default: 0)")
-    parser.add_argument("--module", metavar="PACKAGE.CLASS", help="LightningModule class to rebuild a Lightning checkpoint")
-    parser.add_argument("--config", metavar="CONFIG", help="Hugging Face config.json (or its folder) for a plain state_dict")
-    parser.add_argument("--layers", metavar="REGEX", help="only attention layers whose qualified name matches this regex")
-    parser.add_argument("--allow-pickle", action="store_true", help="allow full unpickling of MODEL/--inputs (trusted files only)")
+    parser.add_argument(
+        "--allow-pickle", action="store_true", help="allow full unpickling of MODEL/--inputs (trusted files only)"
+    )
 
 
 def fractions_up_to(fraction: float) -> list[float]:
@@ -69,7 +79,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 cells += ["", ""]
                 continue
             cos = f"{r['cosine']:.4f}" + (f" ± {r['cosine_std']:.4f}" if "cosine_std" in r else "")
-            kept = f"{r['neighbours_kept']:.3f}" + (f" ± {r['neighbours_kept_std']:.3f}" if "neighbours_kept_std" in r else "")
+            kept = f"{r['neighbours_kept']:.3f}" + (
+                f" ± {r['neighbours_kept_std']:.3f}" if "neighbours_kept_std" in r else ""
+            )
             cells += [cos, kept]
         lines.append(f"| {f:.0%} ({any_row['removed']}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -87,13 +99,19 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, reference: tuple[fl
     for n in names:
         sel = sorted((r for r in rows if r["ranking"] == n), key=lambda r: r["fraction"])
         x = [0.0] + [r["fraction"] for r in sel]
-        for ax, key in zip(axes, ("cosine", "neighbours_kept")):
+        for ax, key in zip(axes, ("cosine", "neighbours_kept"), strict=True):
             y = [1.0] + [r[key] for r in sel]
             (line,) = ax.plot(x, y, marker="o", ms=3, label=n)
             if f"{key}_std" in sel[0]:
                 s = [0.0] + [r[f"{key}_std"] for r in sel]
-                ax.fill_between(x, [a - b for a, b in zip(y, s)], [a + b for a, b in zip(y, s)], color=line.get_color(), alpha=0.2)
-    for ax, label in zip(axes, ("mean cosine, full vs ablated", "nearest neighbour unchanged")):
+                ax.fill_between(
+                    x,
+                    [a - b for a, b in zip(y, s, strict=True)],
+                    [a + b for a, b in zip(y, s, strict=True)],
+                    color=line.get_color(),
+                    alpha=0.2,
+                )
+    for ax, label in zip(axes, ("mean cosine, full vs ablated", "nearest neighbour unchanged"), strict=True):
         ax.set_xlabel("fraction of heads removed")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -138,8 +156,8 @@ def run(args: argparse.Namespace) -> int:
         sweep,
         time_forward,
     )
-    from hdi_monitor.models.hooks import iter_batches
     from hdi_monitor.cli.report import find_layers, load_inputs, load_model
+    from hdi_monitor.models.hooks import iter_batches
 
     rankings_wanted = list(dict.fromkeys(args.rank or ["diversity", "importance", "random"]))
     model, tokenizer = load_model(args)

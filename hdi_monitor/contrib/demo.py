@@ -48,7 +48,14 @@ class _Windows(Dataset):
 class CharDataModule(pl.LightningDataModule):
     """Random windows of standard-library source text, encoded as bytes (vocabulary 128)."""
 
-    def __init__(self, seq_len: int = 64, batch_size: int = 16, train_samples: int = 16_000, val_samples: int = 512, seed: int = 0) -> None:
+    def __init__(
+        self,
+        seq_len: int = 64,
+        batch_size: int = 16,
+        train_samples: int = 16_000,
+        val_samples: int = 512,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.seq_len, self.batch_size = seq_len, batch_size
         self.train_samples, self.val_samples, self.seed = train_samples, val_samples, seed
@@ -78,14 +85,26 @@ class CharLM(pl.LightningModule):
         vocab_size: byte vocabulary.
     """
 
-    def __init__(self, d_model: int = 128, num_heads: int = 8, num_layers: int = 4, seq_len: int = 64, lr: float = 3e-3, vocab_size: int = 128) -> None:
+    causal: Tensor  # (seq_len, seq_len) additive causal mask, a non-persistent buffer
+
+    def __init__(
+        self,
+        d_model: int = 128,
+        num_heads: int = 8,
+        num_layers: int = 4,
+        seq_len: int = 64,
+        lr: float = 3e-3,
+        vocab_size: int = 128,
+    ) -> None:
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
         self.save_hyperparameters()
         self.embed = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Parameter(torch.randn(seq_len, d_model) * 0.02)
-        layer = nn.TransformerEncoderLayer(d_model, num_heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            d_model, num_heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
@@ -112,7 +131,7 @@ class CharLM(pl.LightningModule):
         self.log("val_bits_per_char", loss / math.log(2))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=0.01)
 
 
 def run_demo(

@@ -52,7 +52,7 @@ def ieee_float32_matmul() -> Iterator[None]:
                 b.fp32_precision = "ieee"  # type: ignore[attr-defined]
             yield
         finally:
-            for b, value in zip(backends, saved):
+            for b, value in zip(backends, saved, strict=True):
                 b.fp32_precision = value  # type: ignore[attr-defined]
         return
     previous = torch.get_float32_matmul_precision()

@@ -45,6 +45,10 @@ transfer per device; `sync_accumulators` sums any number of accumulators over th
 two ``all_reduce`` calls in all (counts and sums, then the re-centred ``H x H`` cross sums).
 
 The ensemble decomposition of Ueda and Nakano (1996) is an add-on: `hdi_monitor.contrib.ensemble`.
+
+Size: about 800 lines, most of them the accumulator (update, merge, sync, state round trip) and
+the precision notes above; the one-shot functions and the accumulator share the same helpers,
+which is why they stay in one module.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from hdi_monitor._validation import check_choice, check_instance, check_int
 from hdi_monitor.functional._numerics import ieee_float32_matmul, no_autocast
 
 __all__ = [
@@ -133,7 +138,7 @@ def _as_heads(w: Any, num_heads: int | None = None, head_dim: int | None = None)
     if not w.is_floating_point():
         raise TypeError(f"w_out must be a real floating tensor, got {w.dtype}")
     w = w.detach()
-    if w.ndim == 2 and num_heads is not None:
+    if w.ndim == 2 and num_heads is not None and head_dim is not None:
         if w.shape[1] != num_heads * head_dim:
             raise ValueError(
                 f"w_out of shape {tuple(w.shape)} read as the output projection's (D, H*d) weight needs "
@@ -192,12 +197,12 @@ def _packed_results(covs: Sequence[Tensor], counts: Sequence[Tensor | int]) -> l
         pos = 0
         for i in idx:
             h = covs[i].shape[0]
-            n = int(host[pos])
+            tokens = int(host[pos])
             cov = host[pos + 1 : pos + 1 + h * h].reshape(h, h).clone()
-            corr = host[pos + 1 + h * h : pos + 1 + 2 * h * h].reshape(h, h).clone()
-            ratio, eff, mean_corr = (float(v) for v in host[pos + 1 + 2 * h * h : pos + 4 + 2 * h * h])
+            corr_host = host[pos + 1 + h * h : pos + 1 + 2 * h * h].reshape(h, h).clone()
+            scalars = [float(v) for v in host[pos + 1 + 2 * h * h : pos + 4 + 2 * h * h]]
             pos += 4 + 2 * h * h
-            out[i] = HeadCovarianceResult(cov, corr, ratio, eff, mean_corr, n)
+            out[i] = HeadCovarianceResult(cov, corr_host, scalars[0], scalars[1], scalars[2], tokens)
     return out  # type: ignore[return-value]
 
 
@@ -237,8 +242,7 @@ def subsample_mask(keep: Tensor, max_tokens: int, generator: torch.Generator | N
     """
     if not isinstance(keep, Tensor) or keep.dtype != torch.bool or keep.ndim != 1:
         raise TypeError("keep must be a 1-D bool tensor")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    check_int("max_tokens", max_tokens)
     n = keep.numel()
     if max_tokens >= n:
         return keep.clone()
@@ -361,22 +365,13 @@ class HeadCovarianceAccumulator:
         chunk_size: int | None = None,
         matmul_dtype: MatmulDtype = "auto",
     ) -> None:
-        for name, value, optional in (
-            ("num_heads", num_heads, False),
-            ("head_dim", head_dim, False),
-            ("model_dim", model_dim, True),
-            ("max_tokens", max_tokens, True),
-            ("chunk_size", chunk_size, True),
-        ):
-            if optional and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                extra = " or None" if optional else ""
-                raise ValueError(f"{name} must be a positive integer{extra}, got {value!r}")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-        if matmul_dtype not in ("auto", "float32", "float64"):
-            raise ValueError(f"matmul_dtype must be 'auto', 'float32' or 'float64', got {matmul_dtype!r}")
+        check_int("num_heads", num_heads)
+        check_int("head_dim", head_dim)
+        for name, value in (("model_dim", model_dim), ("max_tokens", max_tokens), ("chunk_size", chunk_size)):
+            if value is not None:
+                check_int(name, value)
+        check_instance("generator", generator, torch.Generator, optional=True)
+        check_choice("matmul_dtype", matmul_dtype, MatmulDtype)
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.width = num_heads * head_dim
@@ -435,18 +430,19 @@ class HeadCovarianceAccumulator:
         """Bytes held by the state tensors: ``8 (H^2 + H D + 1)`` once allocated, else 0."""
         return sum(t.numel() * t.element_size() for t in (self._n, self._sum, self._m2) if t is not None)
 
-    @property
-    def mean_contribution(self) -> Tensor:
-        """``(H, D)`` float64 mean contribution ``mean_t c_h(t)`` of each head."""
-        self._require_tokens()
-        return self._sum / self._n.to(_F64)
-
     def _require_tokens(self) -> None:
         if self._n is None or self.num_tokens == 0:
             raise ValueError(
                 "no tokens accumulated: call update() with at least one kept token before compute() "
                 "(check keep_mask, and that the head-output hook fired)"
             )
+
+    def _state(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The allocated state ``(n, sum, m2)``; callers have made sure it exists."""
+        n, total, m2 = self._n, self._sum, self._m2
+        if n is None or total is None or m2 is None:
+            raise RuntimeError("HeadCovarianceAccumulator: the state is used before it was allocated")
+        return n, total, m2
 
     def reset(self) -> None:
         """Forget every token (the state is freed; the device choice and ``w_out`` are kept)."""
@@ -457,14 +453,15 @@ class HeadCovarianceAccumulator:
     def _merge_moments(self, n_b: Tensor, sum_b: Tensor, m2_b: Tensor) -> None:
         """Chan et al.'s pairwise update in contribution space:
         ``M2_ij = M2a_ij + M2b_ij + n_a n_b / n <delta_i, delta_j>`` with ``delta = mean_b - mean_a``."""
-        n_a = self._n.to(_F64)
+        n_cur, sum_cur, m2_cur = self._state()
+        n_a = n_cur.to(_F64)
         nb = n_b.to(_F64)
         n = n_a + nb
-        delta = sum_b / nb.clamp_min(1.0) - self._sum / n_a.clamp_min(1.0)  # (H, D)
+        delta = sum_b / nb.clamp_min(1.0) - sum_cur / n_a.clamp_min(1.0)  # (H, D)
         factor = n_a * nb / n.clamp_min(1.0)  # zero when either side is empty
-        self._m2.add_(m2_b).add_(factor * (delta @ delta.transpose(0, 1)))
-        self._sum.add_(sum_b)
-        self._n.add_(n_b.to(torch.int64))
+        m2_cur.add_(m2_b).add_(factor * (delta @ delta.transpose(0, 1)))
+        sum_cur.add_(sum_b)
+        n_cur.add_(n_b.to(torch.int64))
         self._n_host = None
 
     def _read_w_out(self, w_out: WOutSource | None) -> Tensor:
@@ -554,13 +551,13 @@ class HeadCovarianceAccumulator:
             keep = subsample_mask(keep, self.max_tokens, self.generator)
         if n_tok == 0:
             return
-        wide = o.dtype == _F64 or w.dtype == _F64 or self._sum.device.type == "cpu"
+        wide = o.dtype == _F64 or w.dtype == _F64 or self._state()[1].device.type == "cpu"
         dtype = {"auto": _F64 if wide else torch.float32, "float32": torch.float32, "float64": _F64}[self.matmul_dtype]
         with no_autocast(), ieee_float32_matmul():
             self._update_chunks(flat, keep, w, dtype)
 
     def _update_chunks(self, flat: Tensor, keep: Tensor | None, w: Tensor, dtype: torch.dtype) -> None:
-        device = self._sum.device
+        device = self._state()[1].device
         h, d = self.num_heads, self.head_dim
         w = w.to(device=device)
         w_t = w.to(dtype).transpose(1, 2)  # (H, d, D); a copy only when W_O is not in `dtype` already
@@ -590,6 +587,7 @@ class HeadCovarianceAccumulator:
             gram += _gram_f64(contrib)
             del contrib
         # float64: the reference contributions W_O m and the residual sums' contributions
+        assert shift is not None  # update() returns early for zero tokens, so one chunk ran
         proj = _project_f64(w, torch.stack([shift, resid_sum]).view(2, h, d))  # (2, H, D)
         nf = n_b.to(_F64).clamp_min(1.0)
         resid_c = proj[1]
@@ -615,14 +613,13 @@ class HeadCovarianceAccumulator:
             raise RuntimeError("this accumulator holds a synced all-rank total; call reset() before merging")
         if other._sum is None:
             return
-        if self._sum is not None and self._sum.shape != other._sum.shape:
-            raise ValueError(
-                f"cannot merge contributions of D={other._sum.shape[1]} into ones of D={self._sum.shape[1]}"
-            )
+        n_o, sum_o, m2_o = other._state()
+        if self._sum is not None and self._sum.shape != sum_o.shape:
+            raise ValueError(f"cannot merge contributions of D={sum_o.shape[1]} into ones of D={self._sum.shape[1]}")
         if self._sum is None:
-            self._init_state(self._device if self._device is not None else other._sum.device, other._sum.shape[1])
-        dev = self._sum.device
-        self._merge_moments(other._n.to(dev), other._sum.to(dev), other._m2.to(dev))
+            self._init_state(self._device if self._device is not None else sum_o.device, sum_o.shape[1])
+        dev = self._state()[1].device
+        self._merge_moments(n_o.to(dev), sum_o.to(dev), m2_o.to(dev))
 
     def sync(self, group: Any = None) -> None:
         """Sum the state over the ranks of ``group``: ``sync_accumulators([self], group)`` (a collective)."""
@@ -725,8 +722,7 @@ def compute_results(
         accumulator's token count is cached on the host as well, so ``acc.num_tokens`` costs no
         further sync until its state changes.
     """
-    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1:
-        raise ValueError(f"min_tokens must be a positive integer, got {min_tokens!r}")
+    check_int("min_tokens", min_tokens)
     covs, counts, live = [], [], []
     for i, acc in enumerate(accumulators):
         if not isinstance(acc, HeadCovarianceAccumulator):
@@ -734,12 +730,13 @@ def compute_results(
         if acc._n is None or acc._n_host == 0:
             acc._n_host = 0 if acc._n is None else acc._n_host
             continue
-        c = acc._m2 / acc._n.to(_F64).clamp_min(1.0)
+        n_acc, _, m2_acc = acc._state()
+        c = m2_acc / n_acc.to(_F64).clamp_min(1.0)
         covs.append(0.5 * (c + c.transpose(0, 1)))  # exact symmetry
-        counts.append(acc._n)
+        counts.append(n_acc)
         live.append(i)
     results: list[HeadCovarianceResult | None] = [None] * len(accumulators)
-    for i, res in zip(live, _packed_results(covs, counts)):
+    for i, res in zip(live, _packed_results(covs, counts), strict=True):
         accumulators[i]._n_host = res.num_tokens
         if res.num_tokens >= min_tokens:
             results[i] = res
@@ -784,24 +781,27 @@ def sync_accumulators(accumulators: Sequence[HeadCovarianceAccumulator], group: 
     for acc in todo:
         if acc._sum is None:
             acc._init_state(acc._device if acc._device is not None else device, acc._resolve_model_dim())
-    packed = torch.cat([torch.cat([acc._n.to(device=device, dtype=_F64)[None], acc._sum.to(device).reshape(-1)]) for acc in todo])
+    states = [acc._state() for acc in todo]
+    packed = torch.cat(
+        [torch.cat([n.to(device=device, dtype=_F64)[None], s.to(device).reshape(-1)]) for n, s, _ in states]
+    )
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
     centred, totals, pos = [], [], 0
-    for acc in todo:
-        size = acc._sum.numel()
-        n_total, sum_total = packed[pos], packed[pos + 1 : pos + 1 + size].view_as(acc._sum)
+    for n_acc, sum_acc, m2_acc in states:
+        size = sum_acc.numel()
+        n_total, sum_total = packed[pos], packed[pos + 1 : pos + 1 + size].view_as(sum_acc)
         pos += 1 + size
-        n_local = acc._n.to(device=device, dtype=_F64)
-        shift = acc._sum.to(device) - n_local * (sum_total / n_total.clamp_min(1.0))  # n_r (mean_r - mu)
-        m2 = acc._m2.to(device) + (shift @ shift.transpose(0, 1)) / n_local.clamp_min(1.0)
+        n_local = n_acc.to(device=device, dtype=_F64)
+        shift = sum_acc.to(device) - n_local * (sum_total / n_total.clamp_min(1.0))  # n_r (mean_r - mu)
+        m2 = m2_acc.to(device) + (shift @ shift.transpose(0, 1)) / n_local.clamp_min(1.0)
         centred.append(m2.reshape(-1))
         totals.append((n_total, sum_total))
     m2_all = torch.cat(centred)
     dist.all_reduce(m2_all, op=dist.ReduceOp.SUM, group=group)
     pos = 0
-    for acc, (n_total, sum_total) in zip(todo, totals):
+    for acc, (n_total, sum_total) in zip(todo, totals, strict=True):
         h = acc.num_heads
-        dev = acc._sum.device
+        dev = acc._state()[1].device
         acc._n = n_total.round().to(device=dev, dtype=torch.int64)
         acc._sum = sum_total.to(dev).clone()
         acc._m2 = m2_all[pos : pos + h * h].view(h, h).to(dev).clone()

@@ -27,6 +27,8 @@ import torch
 from einops import rearrange, reduce
 from torch import Tensor
 
+from hdi_monitor._validation import check_choice, check_int
+
 __all__ = [
     "Weighting",
     "WEIGHTINGS",
@@ -41,7 +43,7 @@ __all__ = [
 ]
 
 Weighting = Literal["spectral", "uniform"]
-WEIGHTINGS: tuple[str, ...] = ("spectral", "uniform")
+WEIGHTINGS: tuple[Weighting, ...] = ("spectral", "uniform")
 
 _SQRT_HALF = math.sqrt(0.5)
 
@@ -78,11 +80,6 @@ def _check_heads(heads: Tensor) -> None:
         raise ValueError(f"heads must have shape (..., H, D, d), got {tuple(heads.shape)}")
     if heads.shape[-3] == 0:
         raise ValueError(f"heads must hold at least one head, got shape {tuple(heads.shape)}")
-
-
-def _check_weighting(weighting: str) -> None:
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
 
 
 def _head_peak(heads: Tensor) -> Tensor:
@@ -239,8 +236,8 @@ def pairwise_principal_angles(heads: Tensor, *, rtol: float | None = None, chunk
     that have one.
     """
     _check_heads(heads)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
+    if chunk_size is not None:
+        check_int("chunk_size", chunk_size)
     dtype = _compute_dtype(heads, torch.float64)
     tol = _default_rtol(heads) if rtol is None else rtol
     u, r = orthonormal_basis(heads.to(dtype), rtol=tol)  # (..., H, D, d'), (..., H)
@@ -355,7 +352,7 @@ def subspace_overlap(heads: Tensor, weighting: Weighting = "spectral", *, rtol: 
         are NaN.
     """
     _check_heads(heads)
-    _check_weighting(weighting)
+    check_choice("weighting", weighting, WEIGHTINGS)
     dtype = _compute_dtype(heads, torch.float32)
     peak = _head_peak(heads)
     bad = _invalid_from_peak(peak)
@@ -407,13 +404,7 @@ def head_diversity_index(overlap: Tensor) -> Tensor:
     return torch.where(count > 0, 1.0 - mean, torch.full_like(mean, float("nan")))
 
 
-def _check_dims(**dims: int) -> None:
-    for name, value in dims.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def chance_hdi(model_dim: int, head_dim: int, weighting: Weighting = "spectral") -> float:
+def chance_hdi(*, model_dim: int, head_dim: int, weighting: Weighting = "spectral") -> float:
     """HDI of independent random Gaussian heads (what initialisation gives).
 
     * ``"uniform"``: ``1 - min(d, D) / D``, since ``E||U_i^T U_j||_F^2 = d^2 / D`` for independent
@@ -421,14 +412,15 @@ def chance_hdi(model_dim: int, head_dim: int, weighting: Weighting = "spectral")
     * ``"spectral"``: about ``1 - d / (D + d + 1)``, the ratio of ``E||W_i^T W_j||_F^2 = D d^2`` to
       ``E tr((W^T W)^2) = D d (D + d + 1)`` for Gaussian ``W`` (exact to first order in ``1/D``).
     """
-    _check_dims(model_dim=model_dim, head_dim=head_dim)
-    _check_weighting(weighting)
+    check_int("model_dim", model_dim)
+    check_int("head_dim", head_dim)
+    check_choice("weighting", weighting, WEIGHTINGS)
     if weighting == "uniform":
         return 1.0 - min(head_dim, model_dim) / model_dim
     return 1.0 - head_dim / (model_dim + head_dim + 1)
 
 
-def max_hdi(num_heads: int, head_dim: int, model_dim: int) -> float | None:
+def max_hdi(*, num_heads: int, head_dim: int, model_dim: int) -> float | None:
     """Largest HDI that ``H`` heads of width ``d`` can reach in ``R^D`` (frame bound).
 
     When ``H d <= D`` the heads can be mutually orthogonal and the bound is 1. Otherwise
@@ -439,7 +431,8 @@ def max_hdi(num_heads: int, head_dim: int, model_dim: int) -> float | None:
     directions can exceed it (random Gaussian heads with ``D=8, d=4, H=4`` average 0.667 against a
     bound of 0.6667). None for a single head (no HDI exists).
     """
-    _check_dims(num_heads=num_heads, head_dim=head_dim, model_dim=model_dim)
+    for name, value in (("num_heads", num_heads), ("head_dim", head_dim), ("model_dim", model_dim)):
+        check_int(name, value)
     if num_heads < 2:
         return None
     rank = min(head_dim, model_dim)  # a head cannot span more than R^D

@@ -26,12 +26,14 @@ from typing import Any, Literal, Protocol
 
 from einops import rearrange
 from torch import Tensor, nn
-from torch.nn.parameter import is_lazy
 
+from hdi_monitor._validation import check_choice, check_int
 from hdi_monitor.exceptions import AdapterMismatch
 
 __all__ = [
     "PROJECTIONS",
+    "KVMap",
+    "Projection",
     "Adapter",
     "AdapterMismatch",
     "AttentionLayer",
@@ -48,7 +50,11 @@ __all__ = [
     "split_out_features",
 ]
 
-PROJECTIONS: tuple[str, ...] = ("query", "key", "value", "output")
+Projection = Literal["query", "key", "value", "output"]
+PROJECTIONS: tuple[Projection, ...] = ("query", "key", "value", "output")
+
+KVMap = Literal["block", "modulo"]
+"""How query heads share key/value heads: ``h // (H / H_kv)`` (``"block"``) or ``h % H_kv`` (``"modulo"``)."""
 
 OutputHook = Callable[[Tensor, "Tensor | None"], None]
 """``fn(o, keep_mask)``: ``o`` is ``(..., num_heads * head_dim)``, ``keep_mask`` None or bool."""
@@ -100,11 +106,9 @@ class SkippedModule:
         return {"name": self.name, "class_name": self.class_name, "reason": self.reason}
 
 
-def check_projection(projection: str) -> str:
+def check_projection(projection: str) -> Projection:
     """Return ``projection`` if it is one of `PROJECTIONS`, else raise ValueError."""
-    if projection not in PROJECTIONS:
-        raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
-    return projection
+    return check_choice("projection", projection, PROJECTIONS)
 
 
 def full_weight(t: Tensor) -> Tensor:
@@ -136,7 +140,17 @@ def split_in_features(weight: Tensor, heads: int) -> Tensor:
 def linear_sources(query: nn.Module, key: nn.Module, value: nn.Module, output: nn.Module) -> dict[str, WeightSource]:
     """Weight sources for four ``nn.Linear``-layout modules; each reads ``.weight`` when called."""
     modules = {"query": query, "key": key, "value": value, "output": output}
-    return {p: (lambda m=m: m.weight) for p, m in modules.items()}
+    return {p: _weight_reader(m) for p, m in modules.items()}
+
+
+def _weight_reader(m: nn.Module) -> WeightSource:
+    def read() -> Tensor:
+        w = m.weight
+        if not isinstance(w, Tensor):
+            raise AdapterMismatch(f"{type(m).__name__}.weight is a {type(w).__name__}, not a tensor")
+        return w
+
+    return read
 
 
 def _check_divides(layer: str, projection: str, size: int, heads: int, head_dim: int, what: str) -> None:
@@ -212,7 +226,7 @@ class AttentionLayer:
         weights: Mapping[str, WeightSource],
         output_module: nn.Module | None = None,
         mask_key: str | None = None,
-        kv_map: Literal["block", "modulo"] = "block",
+        kv_map: KVMap = "block",
         projection_dims: Mapping[str, int] | None = None,
         notes: tuple[str, ...] = (),
     ) -> None:
@@ -220,16 +234,12 @@ class AttentionLayer:
         if missing:
             raise ValueError(f"{name}: no weight source for projection(s) {missing}")
         for label, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: {label} must be a positive integer, got {value!r}")
+            check_int(f"{name}: {label}", value)
         if num_heads % num_kv_heads:
-            raise ValueError(
-                f"{name}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-            )
-        if kv_map not in ("block", "modulo"):
-            raise ValueError(f"{name}: kv_map must be 'block' or 'modulo', got {kv_map!r}")
+            raise ValueError(f"{name}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        check_choice(f"{name}: kv_map", kv_map, KVMap)
         self.kv_map = kv_map
-        self.projection_dims = {p: head_dim for p in PROJECTIONS}
+        self.projection_dims: dict[str, int] = {p: head_dim for p in PROJECTIONS}
         self.projection_dims.update(projection_dims or {})
         self.notes = tuple(notes)
         self.name = name
@@ -266,12 +276,12 @@ class AttentionLayer:
             return head % self.num_kv_heads
         return head // (self.num_heads // self.num_kv_heads)
 
-    def heads_for(self, projection: str) -> int:
+    def heads_for(self, projection: Projection) -> int:
         """Number of heads of ``projection``: ``num_kv_heads`` for key/value, else ``num_heads``."""
         check_projection(projection)
         return self.num_kv_heads if projection in ("key", "value") else self.num_heads
 
-    def head_weights(self, projection: str) -> Tensor:
+    def head_weights(self, projection: Projection) -> Tensor:
         """Per-head weights of one projection, ``(heads, D_in, d)``.
 
         Detached, in the parameter's own dtype and device (no copy to CPU); DTensor parameters are
@@ -307,18 +317,6 @@ class AttentionLayer:
             fn(o.detach(), None)
 
         return HookHandle(self._output_module.register_forward_pre_hook(guarded(pre_hook, on_error), with_kwargs=True))
-
-    def parameters_not_ready(self) -> list[str]:
-        """Names of this module's parameters that are on the meta device or uninitialised (lazy)."""
-        return _parameters_not_ready(self.module)
-
-
-def _parameters_not_ready(module: nn.Module) -> list[str]:
-    out = []
-    for pname, p in module.named_parameters():
-        if is_lazy(p) or p.is_meta:
-            out.append(pname)
-    return out
 
 
 # ------------------------------------------------------------------------------------------ registry

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from functools import partial
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from hdi_monitor.models.base import (
     AdapterMismatch,
     AttentionLayer,
     SkippedModule,
-    _parameters_not_ready,
     registered_adapters,
 )
 from hdi_monitor.models.layouts import FUSED_NAMES, ROOT_CONFIG, class_refusal, fused_refusal
@@ -26,8 +26,8 @@ __all__ = ["Discovery", "discover_attention", "find_attention_layers", "skipped_
 _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 _SPEC_EXAMPLE = (
-    "    spec = AttentionSpec(modules=r\"blocks\\.\\d+\\.attn\", query=\"wq\", key=\"wk\", value=\"wv\",\n"
-    "                         output=\"wo\", num_heads=8)\n"
+    '    spec = AttentionSpec(modules=r"blocks\\.\\d+\\.attn$", query="wq", key="wk", value="wv",\n'
+    '                         output="wo", num_heads=8)\n'
     "    head_diversity(model, spec=spec)"
 )
 
@@ -46,10 +46,32 @@ def unwrapped_name(name: str) -> str:
 #: Class names that say "attention".
 _ATTENTION_CLASS = re.compile(r"attention|attn", re.IGNORECASE)
 #: Child names that say "attention projection".
-_QKV_CHILDREN = frozenset({
-    "q_proj", "k_proj", "v_proj", "query", "key", "value", "q", "k", "v", "wq", "wk", "wv", "to_q", "to_k", "to_v",
-    "q_lin", "k_lin", "v_lin", "query_proj", "key_proj", "value_proj", *FUSED_NAMES,
-})
+_QKV_CHILDREN = frozenset(
+    {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "query",
+        "key",
+        "value",
+        "q",
+        "k",
+        "v",
+        "wq",
+        "wk",
+        "wv",
+        "to_q",
+        "to_k",
+        "to_v",
+        "q_lin",
+        "k_lin",
+        "v_lin",
+        "query_proj",
+        "key_proj",
+        "value_proj",
+        *FUSED_NAMES,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -74,6 +96,11 @@ def _looks_like_attention(module: nn.Module) -> bool:
     return len(children & _QKV_CHILDREN) >= 2 or bool(children & set(FUSED_NAMES))
 
 
+def _parameters_not_ready(module: nn.Module) -> list[str]:
+    """Names of ``module``'s parameters that are on the meta device or uninitialised (lazy)."""
+    return [pname for pname, p in module.named_parameters() if is_lazy(p) or p.is_meta]
+
+
 def _inside(name: str, prefix: str) -> bool:
     return prefix == "" or name == prefix or name.startswith(prefix + ".")
 
@@ -96,8 +123,9 @@ def discover_attention(
         model: any ``nn.Module``.
         spec: one `AttentionSpec` or a list; combines with the built-in families (a spec
             wins where both match).
-        layers: keep only some layers: a regex (``re.search`` on the qualified name) or a list of
-            exact qualified names. Layers left out this way are not "skipped".
+        layers: keep only some layers: a regex (``re.search`` on the qualified name, as
+            `AttentionSpec.modules`; anchor it with ``^...$`` for an exact match) or a list of exact
+            qualified names. Layers left out this way are not "skipped".
 
     Returns:
         A `Discovery`. Names are as in ``model.named_modules()`` without wrapper segments
@@ -125,8 +153,8 @@ def discover_attention(
     cls = type(model).__name__
     if unused:
         raise ValueError(
-            f"AttentionSpec(modules={unused[0].modules!r}) matched no module of {cls}; a regex must match the "
-            f"whole qualified name. Some module names: {_some_names(model)}"
+            f"AttentionSpec(modules={unused[0].modules!r}) matched no module of {cls} (the regex is "
+            f"searched in each qualified module name, re.search). Some module names: {_some_names(model)}"
         )
     if not found:
         if skipped:
@@ -182,11 +210,14 @@ def _walk(
         claimed.append(raw_name)
         not_ready = _parameters_not_ready(module)
         if not_ready:
-            skipped.append(SkippedModule(
-                name, type(module).__name__,
-                f"{family}: parameters {not_ready[:4]} are on the meta device or uninitialised; materialise the "
-                "model (e.g. run a forward pass or load weights) before measuring it",
-            ))
+            skipped.append(
+                SkippedModule(
+                    name,
+                    type(module).__name__,
+                    f"{family}: parameters {not_ready[:4]} are on the meta device or uninitialised; materialise the "
+                    "model (e.g. run a forward pass or load weights) before measuring it",
+                )
+            )
             continue
         try:
             found.append(build(name, module))
@@ -198,11 +229,14 @@ def _walk(
         if any(_inside(raw_name, c) or _inside(c, raw_name) for c in claimed):
             continue  # inside a measured module, or a wrapper of one
         children = [n for n, _ in module.named_children()]
-        skipped.append(SkippedModule(
-            name, type(module).__name__,
-            f"looks like attention but no known layout matches (children: {children[:8]}); describe it with "
-            "AttentionSpec(modules=..., query=..., key=..., value=..., output=...)",
-        ))
+        skipped.append(
+            SkippedModule(
+                name,
+                type(module).__name__,
+                f"looks like attention but no known layout matches (children: {children[:8]}); describe it with "
+                "AttentionSpec(modules=..., query=..., key=..., value=..., output=...)",
+            )
+        )
     order = {unwrapped_name(n): i for i, (n, _) in enumerate(model.named_modules())}
     skipped.sort(key=lambda s: order.get(s.name, 0))
     return found, skipped, spec_hits

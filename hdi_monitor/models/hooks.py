@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hdi_monitor.models import AttentionLayer
 from hdi_monitor.functional.covariance import HeadCovarianceAccumulator
+from hdi_monitor.models import AttentionLayer
 
 __all__ = ["attach_output_hooks", "call_model", "iter_batches", "batch_mask", "eval_mode"]
 
@@ -79,7 +79,9 @@ def iter_batches(inputs: Any) -> Iterable[Any]:
         return [inputs]
     if isinstance(inputs, Iterable):
         return inputs
-    raise TypeError(f"inputs must be a batch (tensor, dict, tuple) or an iterable of batches, got {type(inputs).__name__}")
+    raise TypeError(
+        f"inputs must be a batch (tensor, dict, tuple) or an iterable of batches, got {type(inputs).__name__}"
+    )
 
 
 @contextlib.contextmanager
@@ -99,5 +101,9 @@ def output_accumulator(layer: AttentionLayer, **kwargs: Any) -> HeadCovarianceAc
     (inside the forward pass: the weights that produced the head outputs); ``kwargs`` go to
     `HeadCovarianceAccumulator`."""
     return HeadCovarianceAccumulator(
-        layer.num_heads, layer.head_dim, w_out=partial(layer.head_weights, "output"), model_dim=layer.model_dim, **kwargs
+        layer.num_heads,
+        layer.head_dim,
+        w_out=partial(layer.head_weights, "output"),
+        model_dim=layer.model_dim,
+        **kwargs,
     )

@@ -12,6 +12,9 @@ Fused layouts differ by family and cannot be told apart by shape, so a fused ent
 to module classes; a module with a fused child that no entry knows is refused (see
 `fused_refusal`), never guessed.
 
+Size: about 300 of the module's lines are the `LAYOUTS` data table (one entry per layout, kept
+one field per line); the code that reads an entry is the rest.
+
 Fused row layouts (``nn.Linear`` rows, ``H`` query heads, ``H_kv`` key/value heads, width ``d``):
 
 * ``"contiguous"``: ``[q (H d) | k (H_kv d) | v (H_kv d)]``, each head-major (GPT-2, Phi-3, litgpt,
@@ -30,12 +33,13 @@ import contextvars
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal, get_args
 
 from einops import rearrange
 from torch import Tensor, nn
 
-from hdi_monitor.models.base import Adapter, AdapterMismatch, AttentionLayer, WeightSource
+from hdi_monitor.models.base import Adapter, AdapterMismatch, AttentionLayer, KVMap, WeightSource
 from hdi_monitor.models.weights import base_layer, in_features, is_conv1d, is_projection, linear_weight, out_features
 
 __all__ = [
@@ -58,8 +62,7 @@ __all__ = [
 ]
 
 Packing = Literal["contiguous", "interleaved", "grouped", "multi_query"]
-PACKINGS: tuple[str, ...] = get_args(Packing)
-KVMap = Literal["block", "modulo"]
+PACKINGS: tuple[Packing, ...] = get_args(Packing)
 
 #: Attribute names that hold head counts and widths, tried in order (module, then its config).
 HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "heads")
@@ -72,7 +75,7 @@ FUSED_NAMES = ("qkv", "c_attn", "query_key_value", "qkv_proj", "Wqkv", "W_pack",
 _VISION_CLASS = re.compile(r"^(ViT|Vit|DeiT|Deit|Dinov2|Dinov2WithRegisters|\w*Vision)\w*Attention$")
 
 
-def _get(module: nn.Module, path: str) -> Any:
+def _get(module: nn.Module, path: str | None) -> Any:
     obj: Any = module
     for part in path.split(".") if path else ():
         obj = getattr(obj, part, None)
@@ -94,6 +97,11 @@ def _lookup(holders: list[Any], names: tuple[str, ...]) -> tuple[int | None, str
             if v is not None:
                 return v, f"{where}.{n}"
     return None, ""
+
+
+def _from_config(where: str | None) -> bool:
+    """Whether a `_lookup` location is a config (the module's own or the model's), not the module."""
+    return where is not None and where.startswith(("config.", "model.config."))
 
 
 def _holders(module: nn.Module, heads_at: str, root_config: Any) -> list[tuple[Any, str]]:
@@ -143,21 +151,24 @@ def resolve_heads(
     cls = type(module).__name__
     if head_dim is not None and inner % head_dim == 0:
         heads = inner // head_dim
-        from_config = where.get("head_dim", "").startswith(("config.", "model.config."))
-        if num_heads is not None and num_heads != heads and from_config:
-            # a head_dim read from config may describe another width (e.g. a partial rotary dim);
-            # a head_dim of the module itself is what its forward pass uses (also after pruning)
+        if (
+            num_heads is not None
+            and num_heads != heads
+            and _from_config(where.get("num_heads"))
+            and not _from_config(where.get("head_dim"))
+        ):
+            # the module's own head_dim against a count from the config it shares with its siblings
+            # (a pruned Llama layer has fewer heads than config.num_attention_heads): the module wins
+            num_heads = heads
+        elif num_heads is not None and num_heads != heads and where.get("head_dim"):
+            # a head_dim read from config may describe another width (e.g. a partial rotary dim)
             if inner % num_heads:
                 raise AdapterMismatch(
                     f"{name}: {cls} has {inner} head-output features, which fit neither "
                     f"{num_heads} heads ({where.get('num_heads') or 'given'}) nor head_dim {head_dim}"
                 )
             heads, head_dim = num_heads, inner // num_heads
-        elif num_heads is not None and num_heads != heads and not where.get("num_heads", "").startswith(
-            ("config.", "model.config.")
-        ):
-            # given, or an attribute of the module: a contradiction (a config count yields to the
-            # module's own head_dim and weights, e.g. after head pruning)
+        elif num_heads is not None and num_heads != heads:
             raise AdapterMismatch(
                 f"{name}: {cls}: {num_heads} heads x head_dim {head_dim} != {inner} head-output features"
             )
@@ -191,8 +202,10 @@ def resolve_heads(
         kv = kv_rows // head_dim
     else:
         kv = num_kv_heads or heads
-    if num_kv_heads is not None and num_kv_heads != kv and not where.get("num_kv_heads", "").startswith(
-        ("config.", "model.config.")
+    if (
+        num_kv_heads is not None
+        and num_kv_heads != kv
+        and not where.get("num_kv_heads", "").startswith(("config.", "model.config."))
     ):
         # given, or an attribute of the module itself: a contradiction. (A config attribute that the
         # module does not use, e.g. num_key_value_heads of an encoder-decoder, yields to the weights.)
@@ -319,7 +332,7 @@ class Layout:
         return build_layer(self, name, module, root_config=root_config, **given)
 
 
-def _source(module: nn.Module, path: str) -> WeightSource:
+def _source(module: nn.Module, path: str | None) -> WeightSource:
     return lambda: linear_weight(_get(module, path))
 
 
@@ -338,27 +351,42 @@ def build_layer(
     """Build the layer of ``module`` under ``layout`` (see `resolve_heads` for the head counts)."""
     out_mod = _get(module, layout.output)
     inner = in_features(out_mod)
-    counts = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     weights: dict[str, WeightSource]
     dims: dict[str, int] | None = None
     if layout.qkv is None:
-        q, k, v = (_get(module, p) for p in (layout.query, layout.key, layout.value))  # type: ignore[arg-type]
+        paths = (layout.query, layout.key, layout.value)
+        q, k, v = (_get(module, p) for p in paths)
         if out_features(v) != out_features(k) or out_features(q) != inner:
-            heads, kv, d, dims = _split_widths(name, module, layout, q, k, v, inner, root_config, num_heads, num_kv_heads)
+            heads, kv, d, dims = _split_widths(
+                name, module, layout, q, k, v, inner, root_config, num_heads, num_kv_heads
+            )
         else:
             heads, kv, d = resolve_heads(
-                name, module, inner=inner, kv_rows=out_features(k), heads_at=layout.heads_at, root_config=root_config,
-                **counts,
+                name,
+                module,
+                inner=inner,
+                kv_rows=out_features(k),
+                heads_at=layout.heads_at,
+                root_config=root_config,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
             )
-        paths = (layout.query, layout.key, layout.value)
         weights = {p: _source(module, path) for p, path in zip(("query", "key", "value"), paths, strict=True)}
     elif layout.cross_query is not None:
         fused_rows = out_features(_get(module, layout.qkv))
         if out_features(_get(module, layout.cross_query)) != inner or fused_rows % 2:
             raise AdapterMismatch(f"{name}: {type(module).__name__}: cross-attention widths do not fit")
         heads, kv, d = resolve_heads(
-            name, module, inner=inner, kv_rows=fused_rows // 2, heads_at=layout.heads_at, root_config=root_config,
-            **counts,
+            name,
+            module,
+            inner=inner,
+            kv_rows=fused_rows // 2,
+            heads_at=layout.heads_at,
+            root_config=root_config,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
         )
         half = kv * d
         qkv_path = layout.qkv
@@ -372,8 +400,16 @@ def build_layer(
         assert packing is not None
         fused = _get(module, layout.qkv)
         heads, kv, d = resolve_heads(
-            name, module, inner=inner, fused_rows=out_features(fused), packing=packing, heads_at=layout.heads_at,
-            root_config=root_config, **counts,
+            name,
+            module,
+            inner=inner,
+            fused_rows=out_features(fused),
+            packing=packing,
+            heads_at=layout.heads_at,
+            root_config=root_config,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
         )
         qkv_path = layout.qkv
 
@@ -401,8 +437,16 @@ def build_layer(
 
 
 def _split_widths(
-    name: str, module: nn.Module, layout: Layout, q: nn.Module, k: nn.Module, v: nn.Module, inner: int,
-    root_config: Any, num_heads: int | None, num_kv_heads: int | None,
+    name: str,
+    module: nn.Module,
+    layout: Layout,
+    q: nn.Module,
+    k: nn.Module,
+    v: nn.Module,
+    inner: int,
+    root_config: Any,
+    num_heads: int | None,
+    num_kv_heads: int | None,
 ) -> tuple[int, int, int, dict[str, int]]:
     """Query/key heads of width ``d_qk`` and value heads of width ``d_v != d_qk`` (MiMo, some speech
     encoders): ``H`` must be known (given or an attribute); ``d_v`` is the out-projection's input / H."""
@@ -428,10 +472,16 @@ def _split_widths(
 
 #: Classes that look like a known layout but compute attention differently: refused with the reason.
 REFUSED: tuple[tuple[str, str], ...] = (
-    (r"\w*(Delta|Linear|Lightning)\w*Attention", "linear attention (no softmax kernel over q/k); its heads are not "
-                                                 "the Nadaraya-Watson heads the HDI describes. Not measured"),
-    (r"DiffLlama\w*Attention", "differential attention pairs heads (two softmax maps per value head); its heads are "
-                              "not q/k/v row blocks. Not measured; describe the heads you mean with an AttentionSpec"),
+    (
+        r"\w*(Delta|Linear|Lightning)\w*Attention",
+        "linear attention (no softmax kernel over q/k); its heads are not "
+        "the Nadaraya-Watson heads the HDI describes. Not measured",
+    ),
+    (
+        r"DiffLlama\w*Attention",
+        "differential attention pairs heads (two softmax maps per value head); its heads are "
+        "not q/k/v row blocks. Not measured; describe the heads you mean with an AttentionSpec",
+    ),
 )
 
 
@@ -474,6 +524,8 @@ def _has_n_head(module: nn.Module) -> bool:
     return _positive_int(getattr(module, "n_head", None)) is not None
 
 
+# A data table, one compact entry per layout: kept as written, not reformatted.
+# fmt: off
 LAYOUTS: tuple[Layout, ...] = (
     Layout("timm_vit", "proj", qkv="qkv", packing="contiguous", classes=r"Attention|AttentionRope",
            when=lambda m: _positive_int(getattr(m, "num_heads", None)) is not None, masked=False,
@@ -559,10 +611,15 @@ LAYOUTS: tuple[Layout, ...] = (
            kv_map="modulo", used_by="x-transformers Attention (GQA maps query head h to h % H_kv)"),
     Layout("wqkvo", "wo", "wq", "wk", "wv", used_by="Meta-reference style wq/wk/wv/wo"),
 )
+# fmt: on
 
 
 #: The model config of the discovery under way (for modules without a config of their own).
 ROOT_CONFIG: contextvars.ContextVar[Any] = contextvars.ContextVar("hdi_monitor_root_config", default=None)
+
+
+def _matches_any(first: Callable[[str, nn.Module], Layout | None], name: str, module: nn.Module) -> bool:
+    return first(name, module) is not None
 
 
 def layout_adapters(layouts: tuple[Layout, ...] = LAYOUTS) -> list[Adapter]:
@@ -587,7 +644,7 @@ def layout_adapters(layouts: tuple[Layout, ...] = LAYOUTS) -> list[Adapter]:
             Adapter(
                 family=family,
                 classes="; ".join(e.used_by or ", ".join(e.children()) for e in entries),
-                match=lambda name, module, _first=first: _first(name, module) is not None,
+                match=partial(_matches_any, first),
                 build=build,
             )
         )

@@ -20,6 +20,8 @@ report says so. Head outputs are the input of ``o_proj``, as elsewhere.
 
 from __future__ import annotations
 
+from typing import Any
+
 from einops import rearrange
 from torch import Tensor, nn
 
@@ -55,34 +57,39 @@ def _norm_weight(norm: nn.Module, size: int) -> Tensor:
 
 
 def _build(name: str, module: nn.Module) -> AttentionLayer:
+    mla: Any = module  # an MLA attention class of some library: its children are read by name
     cls = type(module).__name__
-    dims = {a: _int(module, a) for a in ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")}
+    dims = {
+        a: _int(module, a) for a in ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+    }
     missing = [a for a, v in dims.items() if v is None]
     if missing:
         raise AdapterMismatch(f"{name}: {cls} looks like Multi-head Latent Attention but has no {missing}")
-    heads, nope, rope, dv, rank = (dims[a] for a in ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank"))
+    heads, nope, rope, dv, rank = (
+        dims[a] for a in ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+    )
     assert heads and nope and rope and dv and rank
     q_lora = is_projection(getattr(module, "q_b_proj", None)) and getattr(module, "q_proj", None) is None
 
     def query() -> Tensor:
         if not q_lora:
-            return linear_weight(module.q_proj)
-        w_dq = linear_weight(module.q_a_proj).float()  # (r_q, D)
-        g = _norm_weight(module.q_a_layernorm, w_dq.shape[0])
-        return linear_weight(module.q_b_proj).float() @ (g[:, None] * w_dq)  # (H (nope + rope), D)
+            return linear_weight(mla.q_proj)
+        w_dq = linear_weight(mla.q_a_proj).float()  # (r_q, D)
+        g = _norm_weight(mla.q_a_layernorm, w_dq.shape[0])
+        return linear_weight(mla.q_b_proj).float() @ (g[:, None] * w_dq)  # (H (nope + rope), D)
 
     def latent() -> Tensor:
-        w = linear_weight(module.kv_a_proj_with_mqa).float()[:rank]  # (r_kv, D); RoPE rows left out
-        return _norm_weight(module.kv_a_layernorm, rank)[:, None] * w
+        w = linear_weight(mla.kv_a_proj_with_mqa).float()[:rank]  # (r_kv, D); RoPE rows left out
+        return _norm_weight(mla.kv_a_layernorm, rank)[:, None] * w
 
     def up(part: slice) -> Tensor:
-        w_b = rearrange(linear_weight(module.kv_b_proj).float(), "(h e) r -> h e r", h=heads)[:, part]
+        w_b = rearrange(linear_weight(mla.kv_b_proj).float(), "(h e) r -> h e r", h=heads)[:, part]
         return rearrange(w_b @ latent(), "h e m -> (h e) m")
 
-    out = module.o_proj
+    out = mla.o_proj
     shapes = {
-        "query": (heads * (nope + rope), linear_weight(module.q_proj if not q_lora else module.q_b_proj).shape[0]),
-        "kv_b": (heads * (nope + dv), linear_weight(module.kv_b_proj).shape[0]),
+        "query": (heads * (nope + rope), linear_weight(mla.q_proj if not q_lora else mla.q_b_proj).shape[0]),
+        "kv_b": (heads * (nope + dv), linear_weight(mla.kv_b_proj).shape[0]),
         "o_proj": (heads * dv, linear_weight(out).shape[1]),
     }
     for label, (want, got) in shapes.items():

@@ -26,6 +26,7 @@ import contextlib
 import sys
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -41,7 +42,7 @@ _FSDP1_NEEDS_ROOT = (
 )
 
 
-def _fsdp1_class() -> type | None:
+def _fsdp1_class() -> type[Any] | None:
     """``FullyShardedDataParallel`` if it was ever imported (no model can be FSDP1 otherwise)."""
     mod = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
     return getattr(mod, "FullyShardedDataParallel", None) if mod is not None else None

@@ -6,11 +6,12 @@ import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from torch import Tensor, nn
 
-from hdi_monitor.models.base import AttentionLayer, WeightSource
+from hdi_monitor._validation import check_choice, check_instance, check_int, check_regex
+from hdi_monitor.models.base import AttentionLayer, KVMap, WeightSource
 from hdi_monitor.models.layouts import PACKINGS, Packing, default_mask_key, resolve_heads, split_fused
 from hdi_monitor.models.weights import is_projection, linear_weight
 
@@ -34,13 +35,6 @@ def _as_tensor(obj: Any, name: str, projection: str) -> Tensor:
     return obj
 
 
-def _positive(label: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"AttentionSpec.{label} must be a positive integer, got {value!r}")
-
-
 @dataclass(frozen=True)
 class AttentionSpec:
     """Describe attention modules that no built-in layout knows, or override one.
@@ -54,7 +48,7 @@ class AttentionSpec:
     Example, separate projections (a block with ``wq, wk, wv, wo`` ``nn.Linear`` layers)::
 
         spec = AttentionSpec(
-            modules=r"blocks\\.\\d+\\.attn",      # regex, full match on the qualified module name
+            modules=r"^blocks\\.\\d+\\.attn$",    # regex, re.search on the qualified module name
             query="wq", key="wk", value="wv", output="wo",
             num_heads=8, num_kv_heads=2,         # or leave them out to read them from the module
         )
@@ -65,9 +59,12 @@ class AttentionSpec:
         AttentionSpec(modules=r"h\\.\\d+\\.attn", qkv="qkv", qkv_layout="interleaved", output="proj")
 
     Args:
-        modules: which modules are attention layers: a regex matched against the *whole* qualified
-            name (``re.fullmatch``), or a predicate ``(name, module) -> bool``. Descendants of a
-            matched module are not searched.
+        modules: which modules are attention layers: a regex searched in the qualified module name
+            (``re.search``, the same meaning as ``layers=``; anchor it with ``^...$`` for an exact
+            match), or a predicate ``(name, module) -> bool``. Modules are tried in module order and
+            the descendants of a matched module are not searched, so ``r"blocks\\.\\d+\\.attn"``
+            matches the attention blocks and not their ``attn.wq`` children (but it would also
+            match a sibling named ``attn_norm``: anchor it, ``r"blocks\\.\\d+\\.attn$"``).
         query, key, value, output: each a dotted attribute path relative to the attention module,
             naming a projection module (``nn.Linear``, ``Conv1D``, a LoRA layer: its effective
             weight is read) or a tensor (``"wq.weight"``), or a callable ``module -> Tensor``.
@@ -104,15 +101,12 @@ class AttentionSpec:
     family: str = "spec"
     qkv: Ref | None = None
     qkv_layout: Packing | None = None
-    kv_map: Literal["block", "modulo"] = "block"
+    kv_map: KVMap = "block"
     _pattern: re.Pattern | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.modules, str):
-            try:
-                object.__setattr__(self, "_pattern", re.compile(self.modules))
-            except re.error as exc:
-                raise ValueError(f"AttentionSpec.modules is not a valid regex: {self.modules!r} ({exc})") from exc
+            object.__setattr__(self, "_pattern", check_regex("AttentionSpec.modules", self.modules))
         elif not callable(self.modules):
             raise TypeError(
                 "AttentionSpec.modules must be a regex string or a predicate (name, module) -> bool, "
@@ -121,7 +115,9 @@ class AttentionSpec:
         separate = [p for p in ("query", "key", "value") if getattr(self, p) is not None]
         if self.qkv is not None:
             if separate:
-                raise ValueError(f"AttentionSpec: give either qkv or query/key/value, not both (got qkv and {separate})")
+                raise ValueError(
+                    f"AttentionSpec: give either qkv or query/key/value, not both (got qkv and {separate})"
+                )
             if self.qkv_layout not in PACKINGS:
                 raise ValueError(
                     f"AttentionSpec.qkv needs qkv_layout, one of {PACKINGS} (got {self.qkv_layout!r}): the row "
@@ -142,20 +138,19 @@ class AttentionSpec:
                     f"got {type(ref).__name__}"
                 )
         for label in ("num_heads", "num_kv_heads", "head_dim"):
-            _positive(label, getattr(self, label))
+            if getattr(self, label) is not None:
+                check_int(f"AttentionSpec.{label}", getattr(self, label))
         if self.num_heads is not None and self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"AttentionSpec: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
-        if self.kv_map not in ("block", "modulo"):
-            raise ValueError(f"AttentionSpec.kv_map must be 'block' or 'modulo', got {self.kv_map!r}")
-        if self.mask_key is not None and not isinstance(self.mask_key, str):
-            raise TypeError(f"AttentionSpec.mask_key must be a string, 'auto' or None, got {type(self.mask_key).__name__}")
+        check_choice("AttentionSpec.kv_map", self.kv_map, KVMap)
+        check_instance("AttentionSpec.mask_key", self.mask_key, str, optional=True)
 
     def matches(self, name: str, module: nn.Module) -> bool:
         """Whether the module called ``name`` is an attention layer under this spec."""
         if self._pattern is not None:
-            return self._pattern.fullmatch(name) is not None
+            return self._pattern.search(name) is not None
         return bool(self.modules(name, module))  # type: ignore[operator]
 
     def _source(self, name: str, module: nn.Module, projection: str) -> WeightSource:
@@ -176,12 +171,29 @@ class AttentionSpec:
         return lambda: _as_tensor(_resolve(module, ref), name, projection)
 
     def build(self, name: str, module: nn.Module, root_config: Any = None) -> AttentionLayer:
-        """Build the `AttentionLayer` for one matched module, validating all shapes."""
+        """Build the `AttentionLayer` for one matched module, validating all shapes.
+
+        Raises:
+            ValueError: the spec does not fit the module. Where the regex matched only part of the
+                name (``re.search``), the message says how to anchor it.
+        """
+        try:
+            return self._build(name, module, root_config)
+        except ValueError as exc:
+            if self._pattern is None or self._pattern.fullmatch(name) is not None:
+                raise
+            pattern = self._pattern.pattern
+            raise type(exc)(
+                f"{exc}. The regex {pattern!r} matched part of {name!r} (modules= is searched with "
+                f"re.search); anchor it, e.g. {'^' + pattern.lstrip('^').rstrip('$') + '$'!r}, to match "
+                "whole names only"
+            ) from None
+
+    def _build(self, name: str, module: nn.Module, root_config: Any) -> AttentionLayer:
         out_src = self._source(name, module, "output")
         out_shape = tuple(out_src().shape)
         if len(out_shape) != 2:
             raise ValueError(f"{name}: output weight must be 2-D (nn.Linear layout), got shape {out_shape}")
-        given = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
         sources: dict[str, WeightSource]
         try:
             if self.qkv is not None:
@@ -190,8 +202,15 @@ class AttentionSpec:
                 if len(rows) != 2:
                     raise ValueError(f"{name}: qkv weight must be 2-D (nn.Linear layout), got shape {tuple(rows)}")
                 heads, kv, d = resolve_heads(
-                    name, module, inner=out_shape[1], fused_rows=rows[0], packing=self.qkv_layout,
-                    root_config=root_config, **given,
+                    name,
+                    module,
+                    inner=out_shape[1],
+                    fused_rows=rows[0],
+                    packing=self.qkv_layout,
+                    root_config=root_config,
+                    num_heads=self.num_heads,
+                    num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_dim,
                 )
                 layout = self.qkv_layout
 
@@ -204,15 +223,23 @@ class AttentionSpec:
                 tensors = {p: sources[p]() for p in sources}
                 for p, t in tensors.items():
                     if t.ndim != 2:
-                        raise ValueError(f"{name}: {p} weight must be 2-D (nn.Linear layout), got shape {tuple(t.shape)}")
+                        raise ValueError(
+                            f"{name}: {p} weight must be 2-D (nn.Linear layout), got shape {tuple(t.shape)}"
+                        )
                 if tensors["key"].shape[0] != tensors["value"].shape[0]:
                     raise ValueError(
                         f"{name}: key weight has {tensors['key'].shape[0]} rows and value {tensors['value'].shape[0]}; "
                         "they must split into the same key/value heads"
                     )
                 heads, kv, d = resolve_heads(
-                    name, module, inner=out_shape[1], kv_rows=tensors["key"].shape[0], root_config=root_config,
-                    **given,
+                    name,
+                    module,
+                    inner=out_shape[1],
+                    kv_rows=tensors["key"].shape[0],
+                    root_config=root_config,
+                    num_heads=self.num_heads,
+                    num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_dim,
                 )
                 if tensors["query"].shape[0] != heads * d:
                     raise ValueError(
@@ -287,7 +314,4 @@ def as_specs(spec: AttentionSpec | Sequence[AttentionSpec] | None) -> tuple[Atte
         return (spec,)
     if isinstance(spec, (list, tuple)) and all(isinstance(s, AttentionSpec) for s in spec):
         return tuple(spec)
-    raise TypeError(
-        f"spec must be an AttentionSpec, a list of AttentionSpec or None, got {type(spec).__name__}"
-    )
-
+    raise TypeError(f"spec must be an AttentionSpec, a list of AttentionSpec or None, got {type(spec).__name__}")

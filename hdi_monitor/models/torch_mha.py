@@ -166,7 +166,7 @@ class MHALayer(AttentionLayer):
         assert isinstance(mha, nn.MultiheadAttention)
 
         def pre_hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
-            call = dict(zip(_MHA_ARGS, args))
+            call = dict(zip(_MHA_ARGS, args, strict=False))
             call.update(kwargs)
             query, key, value = call["query"], call["key"], call["value"]
             kpm = call.get("key_padding_mask")

@@ -18,7 +18,7 @@ written back: the module is left as it was. Nothing here imports peft or transfo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor, nn
@@ -62,7 +62,7 @@ def is_lora(m: Any) -> bool:
     return _is_peft_lora(m) or _is_loralib(m)
 
 
-def is_projection(m: Any) -> bool:
+def is_projection(m: Any) -> TypeGuard[nn.Module]:
     """A module whose forward is a linear map that `linear_weight` can read."""
     if _is_peft_lora(m):
         return is_projection(m.base_layer)
@@ -93,7 +93,15 @@ def _float(t: Tensor) -> Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
-def _peft_weight(m: nn.Module) -> Tensor:
+def _tensor_attr(m: Any, name: str) -> Tensor:
+    """``m.<name>`` as a tensor, or `AdapterMismatch` (projection classes are read by attribute name)."""
+    t = getattr(m, name, None)
+    if not isinstance(t, Tensor):
+        raise AdapterMismatch(f"{type(m).__name__}.{name} is a {type(t).__name__}, not a tensor")
+    return t
+
+
+def _peft_weight(m: Any) -> Tensor:  # a peft LoraLayer, duck-typed (peft is optional)
     base = m.base_layer
     w = full_weight(base.weight)
     if getattr(m, "disable_adapters", False) or getattr(m, "merged", False):
@@ -121,14 +129,14 @@ def _peft_weight(m: nn.Module) -> Tensor:
     return total
 
 
-def _loralib_weight(m: nn.Module) -> Tensor:
-    w = full_weight(m.weight)
+def _loralib_weight(m: Any) -> Tensor:  # a loralib layer, duck-typed
+    w = full_weight(_tensor_attr(m, "weight"))
     if getattr(m, "fan_in_fan_out", False):
         w = w.T
     if getattr(m, "merged", False) or int(getattr(m, "r", 1) or 0) == 0:
         return w
-    a_w = _float(full_weight(m.lora_A))
-    b_w = _float(full_weight(m.lora_B))
+    a_w = _float(full_weight(_tensor_attr(m, "lora_A")))
+    b_w = _float(full_weight(_tensor_attr(m, "lora_B")))
     return _float(w) + (b_w @ a_w) * float(m.scaling)
 
 
@@ -143,5 +151,5 @@ def linear_weight(m: nn.Module) -> Tensor:
         return w.T if is_conv1d(m.base_layer) else w
     if _is_loralib(m):
         return _loralib_weight(m)
-    w = full_weight(m.weight)
+    w = full_weight(_tensor_attr(m, "weight"))
     return w.T if is_conv1d(m) else w

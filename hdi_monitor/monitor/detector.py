@@ -8,8 +8,9 @@ no warnings of its own; the caller decides what to do with an event (warn with
 values, events already issued) round-trips through `SaturationDetector.state_dict` as plain
 Python types, so ``torch.load(..., weights_only=True)`` can read a checkpoint that holds it.
 
-Events, for one series ``(layer, projection, metric)`` and ``sign = +1`` for ``mode="max"``
-(``-1`` for ``"min"``); only measurements at ``step >= warmup_steps`` count:
+Higher is better for every metric it watches (the HDI, the effective number of heads). Events,
+for one series ``(layer, projection, metric)``; only measurements at ``step >= warmup_steps``
+count:
 
 * **saturation**: over the last ``patience + 1`` measurements (the window), the best value has not
   improved by more than ``min_delta`` (EarlyStopping's rule) *and* the Theil-Sen median slope
@@ -28,14 +29,14 @@ Events, for one series ``(layer, projection, metric)`` and ``sign = +1`` for ``m
 from __future__ import annotations
 
 import math
-import operator
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
+from hdi_monitor._validation import check_choice, check_index, check_int, check_real
 from hdi_monitor.exceptions import DiversityWarning
 
 __all__ = [
@@ -47,17 +48,23 @@ __all__ = [
     "EVENT_KINDS",
     "PROJECTIONS",
     "METRICS",
-    "MODES",
+    "EventKind",
+    "Metric",
+    "Projection",
 ]
 
-EVENT_KINDS: tuple[str, ...] = ("saturation", "collapse", "redundancy")
-PROJECTIONS: tuple[str, ...] = ("query", "key", "value", "output", "activations")
-METRICS: tuple[str, ...] = ("hdi", "effective_heads", "correlation")
-MODES: tuple[str, ...] = ("max", "min")
+EventKind = Literal["saturation", "collapse", "redundancy"]
+Projection = Literal["query", "key", "value", "output", "activations"]
+Metric = Literal["hdi", "effective_heads"]
+EVENT_KINDS: tuple[EventKind, ...] = ("saturation", "collapse", "redundancy")
+PROJECTIONS: tuple[Projection, ...] = ("query", "key", "value", "output", "activations")
+METRICS: tuple[Metric, ...] = ("hdi", "effective_heads")
+
+_Key = tuple[str, Projection, Metric]  # one series: (layer, projection, metric)
 
 _STATE_VERSION = 1
 _MAX_PAIRS_IN_MESSAGE = 6
-_METRIC_NAMES = {"hdi": "HDI", "effective_heads": "effective number of heads", "correlation": "mean head correlation"}
+_METRIC_NAMES = {"hdi": "HDI", "effective_heads": "effective number of heads"}
 
 
 @dataclass(frozen=True)
@@ -68,20 +75,20 @@ class DiversityEvent:
         kind: ``"saturation"``, ``"collapse"`` or ``"redundancy"``.
         layer: qualified module name of the attention layer, or ``"mean"`` for the model mean.
         projection: ``"query"``, ``"key"``, ``"value"``, ``"output"``, or ``"activations"``.
-        metric: ``"hdi"``, ``"effective_heads"`` or ``"correlation"``.
+        metric: ``"hdi"`` or ``"effective_heads"``.
         step: training step of the measurement that triggered the event.
         value: the measured value at ``step`` (NaN for a redundancy event whose measurement had no
             value).
-        best: best value of the series so far (mode-aware); None when no value was recorded.
+        best: best (highest) value of the series so far; None when no value was recorded.
         chance: chance level of the metric when the caller knows it.
         pairs: ``(i, j, overlap_or_correlation)`` with ``i < j``, strongest first (redundancy only).
         message: one readable sentence with the numbers and a suggestion.
     """
 
-    kind: str
+    kind: EventKind
     layer: str
-    projection: str
-    metric: str
+    projection: Projection
+    metric: Metric
     step: int
     value: float
     best: float | None
@@ -108,10 +115,10 @@ class DiversityEvent:
     def from_dict(cls, data: dict[str, Any]) -> DiversityEvent:
         """Inverse of `to_dict`."""
         return cls(
-            kind=str(data["kind"]),
+            kind=check_choice("kind", data["kind"], EVENT_KINDS),
             layer=str(data["layer"]),
-            projection=str(data["projection"]),
-            metric=str(data["metric"]),
+            projection=check_choice("projection", data["projection"], PROJECTIONS),
+            metric=check_choice("metric", data["metric"], METRICS),
             step=int(data["step"]),
             value=float(data["value"]),
             best=None if data["best"] is None else float(data["best"]),
@@ -132,12 +139,7 @@ def theil_sen_slope(x: list[float], y: list[float]) -> float:
     """
     if len(x) != len(y):
         raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
-    slopes = [
-        (y[j] - y[i]) / (x[j] - x[i])
-        for i in range(len(x))
-        for j in range(len(x))
-        if x[i] < x[j]
-    ]
+    slopes = [(y[j] - y[i]) / (x[j] - x[i]) for i in range(len(x)) for j in range(len(x)) if x[i] < x[j]]
     if not slopes:
         raise ValueError("theil_sen_slope needs at least two points with distinct x")
     return statistics.median(slopes)
@@ -157,7 +159,7 @@ def redundant_pairs(pairwise: Tensor, threshold: float) -> list[tuple[int, int, 
         transfer, whatever ``H``.
     """
     _check_pairwise(pairwise)
-    threshold = _finite_float(threshold, "threshold")
+    threshold = check_real("threshold", threshold)
     h = pairwise.shape[0]
     if h < 2:
         return []
@@ -179,31 +181,6 @@ def _check_pairwise(pairwise: Any) -> None:
         raise TypeError(f"pairwise must hold real numbers, got {pairwise.dtype}")
 
 
-def _finite_float(value: Any, name: str) -> float:
-    if isinstance(value, (bool, str, bytes)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    if not isinstance(value, (int, float)):
-        try:
-            value = float(value)  # numpy scalars, 0-d tensors
-        except (TypeError, ValueError):
-            raise TypeError(f"{name} must be a real number, got {type(value).__name__}") from None
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
-def _int(value: Any, name: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got a bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point():
-            return int(value.item())
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-
-
 def _measurement(value: Any) -> float | None:
     """The value as a float, or None when it is missing (None, NaN, inf)."""
     if value is None:
@@ -212,13 +189,10 @@ def _measurement(value: Any) -> float | None:
         if value.numel() != 1:
             raise ValueError(f"value must be a scalar, got a tensor of shape {tuple(value.shape)}")
         value = value.item()
-    if isinstance(value, (bool, str, bytes)):
-        raise TypeError(f"value must be a real number or None, got {type(value).__name__}")
     try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"value must be a real number or None, got {type(value).__name__}") from None
-    return out if math.isfinite(out) else None
+        return check_real("value", value)  # TypeError for a string, a bool or a non-number
+    except ValueError:  # NaN or inf
+        return None
 
 
 @dataclass
@@ -267,8 +241,6 @@ class SaturationDetector:
             metric's units (HDI units by default).
         warmup_steps: measurements at training steps below this are ignored entirely (no history,
             no best value, no event): the transient after random initialisation is no reference.
-        mode: ``"max"`` when higher is better (HDI, effective heads), ``"min"`` when lower is better
-            (a mean correlation).
         collapse_delta: collapse fires when the value is worse than the best so far by more than
             this, in the metric's units.
         redundancy_threshold: a head pair is redundant when its overlap (or correlation) is at least
@@ -291,38 +263,27 @@ class SaturationDetector:
         patience: int = 10,
         min_delta: float = 0.002,
         warmup_steps: int = 1000,
-        mode: str = "max",
         collapse_delta: float = 0.05,
         redundancy_threshold: float = 0.9,
     ) -> None:
-        patience = _int(patience, "patience")
-        if patience < 1:
-            raise ValueError(f"patience must be at least 1 measurement, got {patience}")
-        min_delta = _finite_float(min_delta, "min_delta")
+        patience = check_int("patience", check_index("patience", patience))  # measurements
+        min_delta = check_real("min_delta", min_delta)
         if min_delta < 0:
             raise ValueError(
-                f"min_delta must be >= 0 (the direction comes from mode={mode!r}), got {min_delta}; "
+                f"min_delta must be >= 0 (higher is better for every metric watched), got {min_delta}; "
                 "pass its absolute value"
             )
-        warmup_steps = _int(warmup_steps, "warmup_steps")
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        if mode not in MODES:
-            raise ValueError(f"mode must be 'max' (higher is better) or 'min' (lower is better), got {mode!r}")
-        collapse_delta = _finite_float(collapse_delta, "collapse_delta")
-        if collapse_delta <= 0:
-            raise ValueError(f"collapse_delta must be > 0, got {collapse_delta}")
-        redundancy_threshold = _finite_float(redundancy_threshold, "redundancy_threshold")
-        if not 0 < redundancy_threshold <= 1:
-            raise ValueError(f"redundancy_threshold must be in (0, 1], got {redundancy_threshold}")
+        warmup_steps = check_int("warmup_steps", check_index("warmup_steps", warmup_steps), low=0)
+        collapse_delta = check_real("collapse_delta", collapse_delta, low=0.0, low_open=True)
+        redundancy_threshold = check_real(
+            "redundancy_threshold", redundancy_threshold, low=0.0, high=1.0, low_open=True
+        )
         self.patience = patience
         self.min_delta = min_delta
         self.warmup_steps = warmup_steps
-        self.mode = mode
         self.collapse_delta = collapse_delta
         self.redundancy_threshold = redundancy_threshold
-        self._sign = 1.0 if mode == "max" else -1.0
-        self._series: dict[tuple[str, str, str], _Series] = {}
+        self._series: dict[_Key, _Series] = {}
         self._events: list[DiversityEvent] = []
 
     # ------------------------------------------------------------------ public API
@@ -332,12 +293,12 @@ class SaturationDetector:
         """Every event issued so far, in order (survives `state_dict`)."""
         return tuple(self._events)
 
-    def best(self, layer: str, projection: str, metric: str = "hdi") -> float | None:
-        """Best value of a series after warmup (mode-aware), or None before its first measurement."""
+    def best(self, layer: str, projection: Projection, metric: Metric = "hdi") -> float | None:
+        """Best (highest) value of a series after warmup, or None before its first measurement."""
         series = self._series.get((layer, projection, metric))
         return None if series is None else series.best
 
-    def history(self, layer: str, projection: str, metric: str = "hdi") -> list[tuple[int, float]]:
+    def history(self, layer: str, projection: Projection, metric: Metric = "hdi") -> list[tuple[int, float]]:
         """The ``(step, value)`` measurements kept for a series: the last ``patience + 1`` after warmup."""
         series = self._series.get((layer, projection, metric))
         return [] if series is None else [(s, v) for s, v, _ in series.history]
@@ -351,10 +312,10 @@ class SaturationDetector:
         self,
         step: int,
         layer: str,
-        projection: str,
+        projection: Projection,
         value: float | Tensor | None,
         *,
-        metric: str = "hdi",
+        metric: Metric = "hdi",
         chance: float | None = None,
         pairwise: Tensor | None = None,
     ) -> list[DiversityEvent]:
@@ -376,16 +337,12 @@ class SaturationDetector:
         Returns:
             New events, in the order saturation, collapse, redundancy; ``[]`` during warmup.
         """
-        step = _int(step, "step")
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+        step = check_int("step", check_index("step", step), low=0)
         if not isinstance(layer, str) or not layer:
             raise TypeError(f"layer must be a non-empty str (qualified module name or 'mean'), got {layer!r}")
-        if projection not in PROJECTIONS:
-            raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
-        if metric not in METRICS:
-            raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
-        chance = None if chance is None else _finite_float(chance, "chance")
+        check_choice("projection", projection, PROJECTIONS)
+        check_choice("metric", metric, METRICS)
+        chance = None if chance is None else check_real("chance", chance)
         if pairwise is not None:
             _check_pairwise(pairwise)
         measured = _measurement(value)
@@ -423,7 +380,6 @@ class SaturationDetector:
                 "patience": self.patience,
                 "min_delta": self.min_delta,
                 "warmup_steps": self.warmup_steps,
-                "mode": self.mode,
                 "collapse_delta": self.collapse_delta,
                 "redundancy_threshold": self.redundancy_threshold,
             },
@@ -447,11 +403,13 @@ class SaturationDetector:
         if version != _STATE_VERSION:
             raise ValueError(f"unsupported SaturationDetector state version {version!r} (expected {_STATE_VERSION})")
         try:
-            series: dict[tuple[str, str, str], _Series] = {}
+            series: dict[_Key, _Series] = {}
             for record in state["series"]:
                 restored = _Series.from_state(record)
                 restored.history = restored.history[-(self.patience + 1) :]
-                series[(str(record["layer"]), str(record["projection"]), str(record["metric"]))] = restored
+                projection: Projection = check_choice("projection", record["projection"], PROJECTIONS)
+                metric: Metric = check_choice("metric", record["metric"], METRICS)
+                series[(str(record["layer"]), projection, metric)] = restored
             events = [DiversityEvent.from_dict(e) for e in state["events"]]
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"malformed SaturationDetector state: {err!r}") from err
@@ -461,11 +419,10 @@ class SaturationDetector:
     # ------------------------------------------------------------------ detection
 
     def _update_series(
-        self, series: _Series, key: tuple[str, str, str], step: int, value: float, chance: float | None
+        self, series: _Series, key: _Key, step: int, value: float, chance: float | None
     ) -> list[DiversityEvent]:
-        sign = self._sign
         previous_best = series.best
-        if series.best is None or sign * value > sign * series.best:
+        if series.best is None or value > series.best:
             series.best = value
         series.history.append((step, value, series.best))
         del series.history[: -(self.patience + 1)]
@@ -473,9 +430,9 @@ class SaturationDetector:
         events: list[DiversityEvent] = []
         if len(series.history) == self.patience + 1:
             steps = [float(s) for s, _, _ in series.history]
-            values = [sign * v for _, v, _ in series.history]
+            values = [v for _, v, _ in series.history]
             gain = theil_sen_slope(steps, values) * (steps[-1] - steps[0])
-            improvement = sign * (series.best - series.history[0][2])
+            improvement = series.best - series.history[0][2]
             if series.saturation_armed:
                 if improvement <= self.min_delta and gain <= self.min_delta:
                     series.saturation_armed = False
@@ -483,21 +440,20 @@ class SaturationDetector:
                     events.append(self._event("saturation", key, step, value, series.best, chance))
             elif (
                 series.saturation_best is not None
-                and sign * (series.best - series.saturation_best) > self.min_delta
+                and series.best - series.saturation_best > self.min_delta
                 and gain > self.min_delta
             ):
                 series.saturation_armed = True  # improving again: the next plateau is news
 
-        if not series.collapse_fired and previous_best is not None:
-            if sign * (series.best - value) > self.collapse_delta:
-                series.collapse_fired = True
-                events.append(self._event("collapse", key, step, value, series.best, chance))
+        if not series.collapse_fired and previous_best is not None and series.best - value > self.collapse_delta:
+            series.collapse_fired = True
+            events.append(self._event("collapse", key, step, value, series.best, chance))
         return events
 
     def _check_redundancy(
         self,
         series: _Series,
-        key: tuple[str, str, str],
+        key: _Key,
         step: int,
         value: float | None,
         chance: float | None,
@@ -516,8 +472,8 @@ class SaturationDetector:
 
     def _event(
         self,
-        kind: str,
-        key: tuple[str, str, str],
+        kind: EventKind,
+        key: _Key,
         step: int,
         value: float,
         best: float | None,
@@ -533,7 +489,7 @@ class SaturationDetector:
             message = self._redundancy_message(key, step, chance, pairs)
         return DiversityEvent(kind, layer, projection, metric, step, value, best, chance, pairs, message)
 
-    def _subject(self, key: tuple[str, str, str]) -> str:
+    def _subject(self, key: _Key) -> str:
         layer, projection, metric = key
         name = _METRIC_NAMES[metric]
         if layer == "mean":
@@ -541,19 +497,15 @@ class SaturationDetector:
         return f"{name[0].upper()}{name[1:]} of '{layer}' ({projection})"
 
     def _worse_than_chance(self, value: float, chance: float | None) -> bool:
-        return chance is not None and self._sign * (value - chance) < 0
+        return chance is not None and value < chance
 
-    def _saturation_message(
-        self, key: tuple[str, str, str], step: int, value: float, best: float | None, chance: float | None
-    ) -> str:
-        side = "below" if self.mode == "max" else "above"
+    def _saturation_message(self, key: _Key, step: int, value: float, best: float | None, chance: float | None) -> str:
         if chance is None:
             ref = ""
         elif self._worse_than_chance(value, chance):
-            ref = f", {side} the {chance:.3f} chance level of random heads"
+            ref = f", below the {chance:.3f} chance level of random heads"
         else:
             ref = f", chance {chance:.3f}"
-        verb = "improved" if self.mode == "max" else "improved (decreased)"
         advice = (
             "diversity has saturated with the heads more alike than random ones; prune redundant heads "
             "or try fewer heads (H) or a smaller head width (d_k)"
@@ -562,24 +514,20 @@ class SaturationDetector:
             "or changing H or d_k"
         )
         return (
-            f"{self._subject(key)} has not {verb} by more than {self.min_delta:.3g} over the last "
+            f"{self._subject(key)} has not improved by more than {self.min_delta:.3g} over the last "
             f"{self.patience} measurements (now {value:.3f}, best {best:.3f}{ref}, step {step}): {advice}."
         )
 
-    def _collapse_message(
-        self, key: tuple[str, str, str], step: int, value: float, best: float | None, chance: float | None
-    ) -> str:
+    def _collapse_message(self, key: _Key, step: int, value: float, best: float | None, chance: float | None) -> str:
         assert best is not None
-        verb = "fell" if self.mode == "max" else "rose"
-        side = "below" if self.mode == "max" else "above"
-        drop = abs(best - value)
+        drop = best - value
         head = (
-            f"{self._subject(key)} {verb} by {drop:.3f} from its best {best:.3f} to {value:.3f} at step {step} "
+            f"{self._subject(key)} fell by {drop:.3f} from its best {best:.3f} to {value:.3f} at step {step} "
             f"(more than the {self.collapse_delta:.3g} collapse threshold"
         )
         if self._worse_than_chance(value, chance):
             return (
-                f"{head}), now {side} the {chance:.3f} chance level of random heads: the heads are converging; "
+                f"{head}), now below the {chance:.3f} chance level of random heads: the heads are converging; "
                 "look for redundant head pairs to prune, or reduce H or d_k."
             )
         ref = "" if chance is None else f"; chance {chance:.3f}"
@@ -589,7 +537,7 @@ class SaturationDetector:
         )
 
     def _redundancy_message(
-        self, key: tuple[str, str, str], step: int, chance: float | None, pairs: tuple[tuple[int, int, float], ...]
+        self, key: _Key, step: int, chance: float | None, pairs: tuple[tuple[int, int, float], ...]
     ) -> str:
         layer, projection, metric = key
         where = "The model mean's" if layer == "mean" else f"Layer '{layer}'"

@@ -915,7 +915,9 @@ def make_detectors(
     """
     if not early_warning:
         return None, None
-    common = {"patience": patience, "warmup_steps": warmup_steps, "mode": mode, "redundancy_threshold": redundancy_threshold}
+    if mode != "max":  # the detector dropped mode (issue 14); r1's detector= argument replaces this
+        raise ValueError(f"mode must be 'max' (higher is better for every metric watched), got {mode!r}")
+    common = {"patience": patience, "warmup_steps": warmup_steps, "redundancy_threshold": redundancy_threshold}
     detector = SaturationDetector(min_delta=min_delta, collapse_delta=collapse_delta, **common)
     activation_detector = None
     if activations:

@@ -32,14 +32,16 @@ def _to_internal(law: AllocationLaw) -> np.ndarray:
 
 
 def _from_internal(theta: np.ndarray) -> AllocationLaw:
-    vals = {n: math.exp(t) if n in _LOG_PARAMS else float(t) for n, t in zip(PARAMETER_NAMES, theta)}
+    vals = {n: math.exp(t) if n in _LOG_PARAMS else float(t) for n, t in zip(PARAMETER_NAMES, theta, strict=True)}
     return AllocationLaw(**vals)
 
 
 def _internal_range() -> tuple[np.ndarray, np.ndarray]:
-    lo, hi = zip(*(_RANGES[n] for n in PARAMETER_NAMES))
+    lo, hi = zip(*(_RANGES[n] for n in PARAMETER_NAMES), strict=True)
     conv = [math.log if n in _LOG_PARAMS else float for n in PARAMETER_NAMES]
-    return np.array([f(v) for f, v in zip(conv, lo)]), np.array([f(v) for f, v in zip(conv, hi)])
+    return np.array([f(v) for f, v in zip(conv, lo, strict=True)]), np.array(
+        [f(v) for f, v in zip(conv, hi, strict=True)]
+    )
 
 
 def _sweep_arrays(runs: Sequence[AllocationRun]) -> tuple[np.ndarray, ...]:
@@ -209,7 +211,7 @@ def fit_allocation_law(
         raise ValueError("every parameter is fixed; nothing to fit")
     if len(data) < k:
         raise ValueError(
-            f"{len(data)} runs cannot determine {k} free parameters {[n for n, f in zip(PARAMETER_NAMES, free) if f]};"
+            f"{len(data)} runs cannot determine {k} free parameters {[n for n, f in zip(PARAMETER_NAMES, free, strict=True) if f]};"
             " add runs or fix some parameters (e.g. fixed={'sigma2': 0.0})"
         )
 
@@ -267,7 +269,7 @@ def fit_allocation_law(
         A = jac[:, inner].T @ jac[:, inner]
         if np.linalg.cond(A) < 1e12:
             var = float(res_log @ res_log) / (n - k) * np.diag(np.linalg.inv(A))
-            for name, v in zip((p for p, f in zip(PARAMETER_NAMES, inner) if f), var):
+            for name, v in zip((p for p, f in zip(PARAMETER_NAMES, inner, strict=True) if f), var, strict=True):
                 stderr[name] = math.sqrt(max(float(v), 0.0))
     return AllocationFit(
         law=law,
@@ -276,8 +278,8 @@ def fit_allocation_law(
         residuals=res_log,
         rms_log_residual=float(np.sqrt(np.mean(res_log**2))),
         max_abs_log_residual=float(np.max(np.abs(res_log))),
-        fitted=tuple(p for p, f in zip(PARAMETER_NAMES, free) if f),
-        at_bound=tuple(p for p, f in zip(PARAMETER_NAMES, on_bound) if f),
+        fitted=tuple(p for p, f in zip(PARAMETER_NAMES, free, strict=True) if f),
+        at_bound=tuple(p for p, f in zip(PARAMETER_NAMES, on_bound, strict=True) if f),
         stderr=stderr,
         converged=bool(best.status > 0),
         iterations=int(best.nfev),

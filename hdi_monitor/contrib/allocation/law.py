@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from hdi_monitor._validation import check_index, check_int, check_real
+
 PARAMETER_NAMES: tuple[str, ...] = ("sigma2", "a", "alpha", "c", "beta", "rho")
 
 
@@ -23,29 +25,11 @@ def _scipy_optimize() -> ModuleType:
     return scipy.optimize
 
 
-def _real(name: str, value: Any, *, low: float, high: float = math.inf, open_low: bool = False) -> float:
-    """``value`` as a float in ``[low, high]`` (``(low, high]`` with ``open_low``), or a clear error."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a real number, got {value!r}")
-    v = float(value)
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if (v <= low if open_low else v < low) or v > high:
-        want = f"in [{low:g}, {high:g}]" if math.isfinite(high) else f"{'>' if open_low else '>='} {low:g}"
-        raise ValueError(f"{name} must be {want}, got {value!r}")
-    return v
-
-
 def _integer(name: str, value: Any, *, low: int = 1) -> int:
-    """``value`` as an int ``>= low`` (integral floats accepted), or a clear error."""
-    integral = isinstance(value, (int, np.integer)) or (
-        isinstance(value, (float, np.floating)) and float(value).is_integer()
-    )
-    if isinstance(value, bool) or not integral:
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if int(value) < low:
-        raise ValueError(f"{name} must be >= {low}, got {int(value)}")
-    return int(value)
+    """``value`` as an int ``>= low``; integral floats are accepted (CSV columns are read as floats)."""
+    if isinstance(value, (float, np.floating)) and float(value).is_integer():
+        value = int(value)
+    return check_int(name, check_index(name, value), low=low)
 
 
 def _check_law(law: Any) -> AllocationLaw:
@@ -81,10 +65,10 @@ class AllocationLaw:
     rho: float = 0.25
 
     def __post_init__(self) -> None:
-        _real("sigma2", self.sigma2, low=0.0)
+        check_real("sigma2", self.sigma2, low=0.0)
         for name in ("a", "alpha", "c", "beta"):
-            _real(name, getattr(self, name), low=0.0, open_low=True)
-        _real("rho", self.rho, low=0.0, high=1.0)
+            check_real(name, getattr(self, name), low=0.0, low_open=True)
+        check_real("rho", self.rho, low=0.0, high=1.0)
 
     def as_dict(self) -> dict[str, float]:
         """The parameters as ``{name: value}`` in `PARAMETER_NAMES` order."""
@@ -157,8 +141,8 @@ def optimal_head_dim(
     """
     optimize = _scipy_optimize()
     law = _check_law(law)
-    D = _real("total_dim", total_dim, low=0.0, open_low=True)
-    N = _real("n_train", n_train, low=1.0)
+    D = check_real("total_dim", total_dim, low=0.0, low_open=True)
+    N = check_real("n_train", n_train, low=1.0)
     lo, hi = (1.0, D) if bounds is None else (float(bounds[0]), float(bounds[1]))
     if not (0 < lo <= hi <= D):
         raise ValueError(f"bounds must satisfy 0 < low <= high <= total_dim={D:g}, got {bounds!r}")
@@ -303,9 +287,9 @@ def recommend_allocation(
     """
     law = _check_law(law)
     D = _integer("total_dim", total_dim)
-    N = _real("n_train", n_train, low=1.0)
+    N = check_real("n_train", n_train, low=1.0)
     if correlation is not None:
-        correlation = _real("correlation", correlation, low=0.0, high=1.0)
+        correlation = check_real("correlation", correlation, low=0.0, high=1.0)
     dims = feasible_head_dims(D, min_head_dim=min_head_dim, max_head_dim=max_head_dim)
     if not dims:
         raise ValueError(
@@ -333,7 +317,7 @@ def recommend_allocation(
             is_current=d == current_dim,
             in_range=bool(ok),
         )
-        for k, (d, loss, ok) in enumerate(zip(all_dims, losses, in_range))
+        for k, (d, loss, ok) in enumerate(zip(all_dims, losses, in_range, strict=True))
     )
     cont = optimal_head_dim(
         D, N, law, bounds=(float(min_head_dim), float(min(D, max_head_dim))), correlation=correlation

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from hdi_monitor.contrib.allocation.law import _integer, _real
+from hdi_monitor._validation import check_real
+from hdi_monitor.contrib.allocation.law import _integer
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,10 @@ class AllocationRun:
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_heads", _integer("num_heads", self.num_heads))
         object.__setattr__(self, "head_dim", _integer("head_dim", self.head_dim))
-        object.__setattr__(self, "n_train", _real("n_train", self.n_train, low=1.0))
-        object.__setattr__(self, "loss", _real("loss", self.loss, low=0.0, open_low=True))
+        object.__setattr__(self, "n_train", check_real("n_train", self.n_train, low=1.0))
+        object.__setattr__(self, "loss", check_real("loss", self.loss, low=0.0, low_open=True))
         if self.correlation is not None:
-            r = _real("correlation", self.correlation, low=-1.0, high=1.0)
+            r = check_real("correlation", self.correlation, low=-1.0, high=1.0)
             if r + (1.0 - r) / self.num_heads <= 0:
                 raise ValueError(
                     f"correlation={r} with num_heads={self.num_heads} gives a non-positive ensemble factor"
@@ -150,10 +151,10 @@ def load_sweep_csv(path: str | os.PathLike[str]) -> list[AllocationRun]:
         raise ValueError(f"{where}: duplicate column names in header {names}")
     cols = _resolve_columns(names, where)
     runs = []
-    for (lineno, _), row in zip(lines[1:], rows[1:]):
+    for (lineno, _), row in zip(lines[1:], rows[1:], strict=True):
         if len(row) != len(names):
             raise ValueError(f"{p}: line {lineno}: {len(row)} fields, but the header has {len(names)}")
-        runs.append(_record_to_run(dict(zip(names, row)), cols, f"{p}: line {lineno}"))
+        runs.append(_record_to_run(dict(zip(names, row, strict=True)), cols, f"{p}: line {lineno}"))
     if not runs:
         raise ValueError(f"{p}: header only, no runs")
     return runs
