@@ -26,11 +26,14 @@ BAD = [
     ({"seed": 1.5}, ValueError, "seed must be an integer >= 0"),
 ]
 CALLBACK_BAD = [
-    ({"early_warning": "off"}, TypeError, "early_warning must be True or False"),
-    # detector settings are checked even with the detector off
-    ({"early_warning": False, "patience": 0}, ValueError, "patience"),
-    ({"early_warning": False, "mode": "maximum"}, ValueError, "mode"),
-    ({"early_warning": False, "redundancy_threshold": 2.0}, ValueError, "redundancy_threshold"),
+    ({"detector": "off"}, TypeError, "detector must be a SaturationDetector, 'default' or None, got str 'off'"),
+    ({"activation_detector": 0.9}, TypeError, "activation_detector must be a SaturationDetector, 'default' or None"),
+    # the former loose detector arguments: a TypeError that names the settings and the detector
+    ({"patience": 5}, TypeError, r"'patience'.*the settings are every_n_steps, projections, .*seed; "
+     r"patience configure the detector: pass detector=SaturationDetector\(patience=...\)"),
+    ({"early_warning": False}, TypeError, "early_warning=False is detector=None"),
+    ({"every_n_step": 5}, TypeError, r"unexpected keyword argument\(s\) 'every_n_step'; the settings are every_n_steps,"),
+    ({"config": {"every_n_steps": 5}}, TypeError, "config must be a MonitorConfig or None, got dict"),
 ]
 
 
@@ -54,7 +57,8 @@ def test_tracker_checks_every_argument_in_init(kwargs, error, match):
     [
         ({"sinks": [object()]}, TypeError, "every sink needs log_scalars"),
         ({"sinks": "tb"}, TypeError, "sinks must be a sequence"),
-        ({"detector": "default"}, TypeError, "detector must be a SaturationDetector or None"),
+        ({"detector": "on"}, TypeError, "detector must be a SaturationDetector, 'default' or None"),
+        ({"every_n_step": 5}, TypeError, "HDITracker got unexpected keyword argument"),
     ],
 )
 def test_tracker_checks_sinks_and_detectors(kwargs, error, match):

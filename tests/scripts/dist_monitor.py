@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         every_n_steps=args.every,
         log_images_every_n_steps=0,
         max_tokens=None,
-        early_warning=False,
+        detector=None,
         strict=False,
     )
     trainer = pl.Trainer(
