@@ -129,7 +129,7 @@ class DiversityReport:
         """Mean HDI of ``projection`` over the layers that have one (None if none has)."""
         if projection not in self.projections:
             raise ValueError(f"projection {projection!r} is not in this report; it has {self.projections}")
-        values = [lay.hdi[projection] for lay in self.layers if lay.hdi.get(projection) is not None]
+        values = [v for lay in self.layers if (v := lay.hdi.get(projection)) is not None]
         return float(sum(values) / len(values)) if values else None
 
     def to_dict(self) -> dict[str, Any]:
@@ -171,7 +171,7 @@ class DiversityReport:
         widths = [max(len(r[i]) for r in [header, *rows, footer]) for i in range(len(header))]
 
         def line(cells: list[str]) -> str:
-            padded = (c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+            padded = (c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
             return "  ".join(padded).rstrip()
 
         rule = "-" * len(line(header))
@@ -258,7 +258,7 @@ def weight_groups(
 
 def compute_report(
     layers: list[AttentionLayer],
-    projections: Sequence[Projection] = ("key",),
+    projections: Sequence[Projection] | Projection = ("key",),
     weighting: Weighting = "spectral",
     *,
     fsdp_root: nn.Module | None = None,
@@ -284,7 +284,7 @@ def compute_report(
             projection (``len(layers) * len(projections)`` in all); ``tqdm(total=...).update``
             fits.
     """
-    projections = _check_projections(projections)
+    checked = _check_projections(projections)
     check_choice("weighting", weighting, Weighting)
     if not all(isinstance(lay, AttentionLayer) for lay in layers):
         raise TypeError("layers must be a list of AttentionLayer (see find_attention_layers)")
@@ -303,7 +303,7 @@ def compute_report(
     # (projection, layer indices, overlap (L, h, h), hdi (L,), invalid (L, h)) on the weights' device
     pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]] = []
     with torch.no_grad():
-        for proj, idx, stacked in weight_groups(layers, projections, fsdp_root=fsdp_root):
+        for proj, idx, stacked in weight_groups(layers, checked, fsdp_root=fsdp_root):
             _, heads, d_in, d = stacked.shape
             for i in idx:
                 results[i].chance_hdi[proj] = chance_hdi(model_dim=d_in, head_dim=d, weighting=weighting)
@@ -316,7 +316,7 @@ def compute_report(
     _collect(pending, results)
     if not all(isinstance(s, SkippedModule) for s in skipped):
         raise TypeError("skipped must be a sequence of SkippedModule (see discover_attention)")
-    return DiversityReport(layers=results, projections=projections, weighting=weighting, skipped=list(skipped))
+    return DiversityReport(layers=results, projections=checked, weighting=weighting, skipped=list(skipped))
 
 
 def _collect(pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]], results: list[LayerDiversity]) -> None:
@@ -391,7 +391,7 @@ def _add_activation_stats(
                 progress(1)
     if seen == 0:
         raise ValueError("inputs held no batch")
-    for lay, acc, res, stats in zip(layers, accs, results, compute_results(accs)):
+    for lay, acc, res, stats in zip(layers, accs, results, compute_results(accs), strict=True):
         if stats is None:
             try:
                 acc.compute()  # raises the accumulator's own message: why there is no token
@@ -409,7 +409,7 @@ def _add_activation_stats(
 def head_diversity(
     model: nn.Module,
     *,
-    projections: Sequence[Projection] = ("key",),
+    projections: Sequence[Projection] | Projection = ("key",),
     weighting: Weighting = "spectral",
     spec: AttentionSpec | Sequence[AttentionSpec] | None = None,
     layers: str | Sequence[str] | None = None,
@@ -448,7 +448,7 @@ def head_diversity(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    projections = _check_projections(projections)
+    checked = _check_projections(projections)
     check_choice("weighting", weighting, Weighting)
     if max_tokens is not None:
         check_int("max_tokens", max_tokens)
@@ -460,7 +460,7 @@ def head_diversity(
             warnings.warn(skipped_message(discovery.skipped), UserWarning, stacklevel=2)
         report = compute_report(
             found,
-            projections=projections,  # type: ignore[arg-type]
+            projections=checked,  # type: ignore[arg-type]  # checked: members of PROJECTIONS
             weighting=weighting,
             fsdp_root=root,
             skipped=discovery.skipped,

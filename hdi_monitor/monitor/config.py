@@ -173,7 +173,7 @@ def _check_layers(layers: Any) -> str | tuple[str, ...] | None:
     return tuple(layers)
 
 
-def check_detector(name: str, value: Any) -> DetectorArg:
+def check_detector(name: str, value: Any) -> Any:
     """``value`` if it is a `SaturationDetector`, ``"default"`` or None, else TypeError."""
     if (
         value is not None

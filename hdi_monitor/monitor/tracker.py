@@ -43,6 +43,7 @@ import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -105,10 +106,6 @@ class _Pending:
     forward_expected: bool = True  # False for weight-only measurements (step() without capture())
 
 
-def _finite(value: float | None) -> bool:
-    return value is not None and math.isfinite(value)
-
-
 # ---------------------------------------------------------------- layer revalidation
 
 
@@ -150,7 +147,7 @@ def _naming_hint(model: nn.Module, limit: int = 10) -> str:
     names = [n for n, _ in model.named_modules() if n]
     likely = [n for n in names if re.search(r"attn|attention", n, re.IGNORECASE)]
     shown = (likely or names)[:limit]
-    more = ", ..." if len((likely or names)) > limit else ""
+    more = ", ..." if len(likely or names) > limit else ""
     return (
         f"\nModules of this model{' that look like attention' if likely else ''}: {', '.join(shown)}{more}. "
         "Select layers with layers=<regex or list of these names>, or describe a layout the built-in families "
@@ -197,7 +194,8 @@ def _warn(message: str, category: type[Warning], *, rank_zero_only: bool = False
     if rank_zero_only and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
     internal = _internal()
-    frame, level = sys._getframe(1), 2
+    frame: FrameType | None = sys._getframe(1)
+    level = 2
     while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
@@ -218,9 +216,9 @@ def summarize_events(step: int, events: Sequence[DiversityEvent]) -> str:
     redundant = [e for e in events if e.kind == "redundancy"]
     if redundant:
         pairs = sum(len(e.pairs) for e in redundant)
-        layers = len({e.layer for e in redundant})
+        count = len({e.layer for e in redundant})
         parts.append(
-            f"{pairs} redundant head pair{'s' if pairs != 1 else ''} in {layers} layer{'s' if layers != 1 else ''}"
+            f"{pairs} redundant head pair{'s' if pairs != 1 else ''} in {count} layer{'s' if count != 1 else ''}"
         )
     return (
         f"hdi-monitor step {step}: {', '.join(parts)}; see the Text tab (diversity_events/*) or monitor.events "
@@ -360,7 +358,7 @@ class HDITracker:
         layers = self.layers
         stale = [
             la
-            for la, sig in zip(layers, self._signatures)
+            for la, sig in zip(layers, self._signatures, strict=True)
             if sig[0] is None or _signature(_submodule(self.model, sig[0]), sig[0]) != sig
         ]
         if not stale:
@@ -422,7 +420,10 @@ class HDITracker:
         with self._guard("measuring weights"), no_autocast():
             layers = self._revalidate()
             report = compute_report(
-                layers, projections=self.projections, weighting=self.weighting, fsdp_root=self.fsdp_root
+                layers,
+                projections=self.config.projections,
+                weighting=self.weighting,
+                fsdp_root=self.fsdp_root,
             )
             accs: list[HeadCovarianceAccumulator | None] = [None] * len(layers)
             if self.activations:
@@ -450,7 +451,7 @@ class HDITracker:
             return None  # not a measured step: no collective, no host sync
         pending, self._pending = self._pending, None
         self._scheduled = None
-        if not _all_ranks_agree(pending is not None):
+        if not _all_ranks_agree(pending is not None) or pending is None:
             # some rank failed earlier in this measurement: every rank drops it, so none waits
             # in a collective that the others never reach
             return None
@@ -592,7 +593,11 @@ class HDITracker:
         self.last_token_counts = []
         if not self.activations:
             return
-        pairs = [(acc, entry) for acc, entry in zip(pending.accumulators, pending.report.layers) if acc is not None]
+        pairs = [
+            (acc, entry)
+            for acc, entry in zip(pending.accumulators, pending.report.layers, strict=True)
+            if acc is not None
+        ]
         accs = [acc for acc, _ in pairs]
         sync_accumulators(accs)  # collectives first: two for all layers
         results: list[Any] = [None] * len(accs)
@@ -601,7 +606,7 @@ class HDITracker:
         except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
             errors.append(err)
         self.last_token_counts = [acc.num_tokens for acc in accs]
-        for (_, entry), result in zip(pairs, results):
+        for (_, entry), result in zip(pairs, results, strict=True):
             if result is None:
                 continue
             entry.covariance = result.covariance
@@ -671,7 +676,7 @@ class HDITracker:
 
     def _compile_fallback(self) -> None:
         """Hooks did not run inside a torch.compile'd forward: warn once, go on with weights only."""
-        missed = [la.name for la, n in zip(self.layers, self.last_token_counts) if n == 0]
+        missed = [la.name for la, n in zip(self.layers, self.last_token_counts, strict=False) if n == 0]
         shown = ", ".join(missed[:3]) + (", ..." if len(missed) > 3 else "")
         self.activations = False
         _warn(
@@ -693,14 +698,14 @@ class HDITracker:
                     len(layer.invalid_heads.get(projection) or [])
                 )
                 value = layer.hdi.get(projection)
-                if _finite(value):
-                    scalars[f"hdi/{projection}/{layer.name}"] = float(value)
+                if value is not None and math.isfinite(value):
+                    scalars[f"hdi/{projection}/{layer.name}"] = value
                     chance.append(layer.chance_hdi[projection])
-                    if layer.max_hdi.get(projection) is not None:
-                        cap.append(layer.max_hdi[projection])
+                    if (top := layer.max_hdi.get(projection)) is not None:
+                        cap.append(top)
             mean = report.mean_hdi(projection)
-            if _finite(mean):
-                scalars[f"hdi/{projection}/mean"] = float(mean)
+            if mean is not None and math.isfinite(mean):
+                scalars[f"hdi/{projection}/mean"] = mean
             if chance:
                 scalars[f"hdi_chance/{projection}"] = float(sum(chance) / len(chance))
             if cap:
@@ -708,12 +713,12 @@ class HDITracker:
         if self.activations:
             eff, corr = [], []
             for layer in report.layers:
-                if _finite(layer.effective_heads):
-                    scalars[f"effective_heads/{layer.name}"] = float(layer.effective_heads)
-                    eff.append(float(layer.effective_heads))
-                if _finite(layer.mean_correlation):
-                    scalars[f"head_correlation/{layer.name}"] = float(layer.mean_correlation)
-                    corr.append(float(layer.mean_correlation))
+                if (heads := layer.effective_heads) is not None and math.isfinite(heads):
+                    scalars[f"effective_heads/{layer.name}"] = float(heads)
+                    eff.append(float(heads))
+                if (r := layer.mean_correlation) is not None and math.isfinite(r):
+                    scalars[f"head_correlation/{layer.name}"] = float(r)
+                    corr.append(float(r))
             if eff:
                 scalars["effective_heads/mean"] = sum(eff) / len(eff)
             if corr:
