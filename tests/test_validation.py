@@ -129,3 +129,39 @@ def test_layers_filter_that_matches_nothing_raises_with_the_real_names():
     tracker = HDITracker(model, layers=r"decoder")
     with pytest.raises(ValueError, match=r"matches none of the 2 attention layers: \['layers\.0\.self_attn', 'layers\.1\.self_attn'\]"):
         tracker.step()
+
+
+def test_one_settings_object_shared_by_the_tracker_and_both_callbacks():
+    """Issue 14: `MonitorConfig` is the settings of all three; keyword fields apply over a config."""
+    import dataclasses
+
+    from hdi_monitor import MonitorConfig
+
+    base = MonitorConfig(every_n_steps=7, projections=["key"], layers=["a"])
+    assert base.projections == ("key",) and base.layers == ("a",)  # normalised to tuples (frozen)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.every_n_steps = 3  # type: ignore[misc]
+    expected = dataclasses.replace(base, max_tokens=16)
+    assert HDIMonitor(base, max_tokens=16).config == expected
+    assert HDIMonitor(every_n_steps=7, projections=("key",), layers=["a"], max_tokens=16).config == expected
+    assert HDITrainerCallback(base, max_tokens=16).config == expected
+    tracker = HDITracker(nn.MultiheadAttention(8, 2), base, max_tokens=16)
+    assert tracker.config == expected
+    assert (tracker.every_n_steps, tracker.max_tokens, tracker.log_images_every_n_steps) == (7, 16, 70)
+
+
+def test_default_activation_detector_follows_the_hdi_detector():
+    from hdi_monitor import SaturationDetector
+    from hdi_monitor.monitor.config import ACTIVATION_COLLAPSE_DELTA, ACTIVATION_MIN_DELTA, resolve_detectors
+
+    det = SaturationDetector(patience=4, warmup_steps=30, redundancy_threshold=0.8, min_delta=0.01)
+    hdi, act = resolve_detectors(det, "default")
+    assert hdi is det and act is not None
+    assert (act.patience, act.warmup_steps, act.redundancy_threshold) == (4, 30, 0.8)
+    assert (act.min_delta, act.collapse_delta) == (ACTIVATION_MIN_DELTA, ACTIVATION_COLLAPSE_DELTA)
+    assert resolve_detectors(None, "default") == (None, None)
+    assert resolve_detectors("default", "default", activations=False)[1] is None
+    hdi, act = resolve_detectors("default", None)
+    assert act is None and hdi is not None
+    default = SaturationDetector()
+    assert (hdi.patience, hdi.min_delta, hdi.warmup_steps) == (default.patience, default.min_delta, default.warmup_steps)

@@ -228,7 +228,7 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
             self._measuring = step if self.activations else None
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # backward is done and the weights are still those of the captured forward passes
+        # backward is done for every micro-batch (W_O was read at capture time): finish here
         self._finish(control)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -6,8 +6,9 @@ step that ``self.log`` gives that batch's training loss. The weights are measure
 ``on_train_batch_start`` (the weights that produce that loss), head outputs are captured during
 that batch's forward pass (hooks come off in ``on_before_backward``, so a forward recomputed by
 gradient checkpointing is not counted twice), and results are computed and written in
-``on_before_optimizer_step``, while the weights are still those of the forward pass (or in
-``on_train_batch_end`` when no optimizer step happened).
+``on_before_optimizer_step``, once backward is done (or in ``on_train_batch_end`` when no
+optimizer step happened). The head-output statistics use the ``W_O`` of the forward pass, read
+when the head outputs are captured, so the optimizer step cannot change them.
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ class HDIMonitor(Callback):
             self.tracker.stop_capture()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        # backward is done and the weights are still those of the forward pass: finish here
+        # backward is done (W_O was read at capture time): finish here
         self._finish(trainer)
 
     def on_train_batch_end(
