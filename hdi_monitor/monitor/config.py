@@ -56,7 +56,7 @@ class MonitorConfig:
     Args:
         every_n_steps: measure at optimizer steps ``0, N, 2N, ...``; nothing runs in between.
         projections: which of ``"query"``, ``"key"``, ``"value"``, ``"output"`` to measure (all
-            four by default, as everywhere in hdi-monitor).
+            four by default).
         weighting: ``"spectral"`` (default, no SVD) or ``"uniform"`` subspace overlap.
         layers: keep only these attention layers: a regex searched in the qualified module names,
             or a sequence of exact names. None watches every layer.
