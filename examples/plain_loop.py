@@ -33,6 +33,8 @@ from hdi_monitor.contrib.demo import stdlib_text
 class TinyLM(nn.Module):
     """Causal ``nn.TransformerEncoder`` over bytes, with learned positions and a tied read-out."""
 
+    causal: Tensor  # a buffer: the (seq_len, seq_len) causal mask
+
     def __init__(
         self, d_model: int = 64, num_heads: int = 4, num_layers: int = 2, seq_len: int = 64, vocab: int = 128
     ) -> None:
