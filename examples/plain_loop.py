@@ -12,7 +12,7 @@ The pattern is three lines around an ordinary loop::
     with tracker.capture(batch):      # head outputs of this forward pass, if this step is measured
         loss = ...                    # forward
     loss.backward()
-    tracker.step()                    # before optimizer.step(): write the measurement, next step
+    tracker.step()                    # write the measurement, next step
     optimizer.step(); optimizer.zero_grad()
 """
 
@@ -32,6 +32,8 @@ from hdi_monitor.contrib.demo import stdlib_text
 
 class TinyLM(nn.Module):
     """Causal ``nn.TransformerEncoder`` over bytes, with learned positions and a tied read-out."""
+
+    causal: Tensor  # a buffer: the (seq_len, seq_len) causal mask
 
     def __init__(
         self, d_model: int = 64, num_heads: int = 4, num_layers: int = 2, seq_len: int = 64, vocab: int = 128
@@ -83,7 +85,7 @@ def train(
             loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             loss.backward()
             writer.add_scalar("loss", loss.item(), tracker.current_step)  # same x as the HDI points
-            tracker.step()  # before optimizer.step(): W_O must still be the forward pass's
+            tracker.step()  # finish the measured step (W_O was read in the forward pass), next step
             optimizer.step()
             optimizer.zero_grad()
     finally:

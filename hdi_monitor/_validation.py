@@ -136,7 +136,7 @@ def check_choices(name: str, values: Any, choices: Iterable[T] | Any, *, allow_s
     if isinstance(values, str) and allow_str:
         values = (values,)
     if isinstance(values, str) or not isinstance(values, Sequence) or not values:
-        raise ValueError(f"{name} must be a non-empty sequence drawn from {options}, got {values!r}")
+        raise ValueError(f"{name} must be a sequence naming at least one of {options}, got {values!r}")
     unknown = [v for v in values if v not in options]
     if unknown:
         raise ValueError(f"unknown {name} {unknown}; choose from {options}")

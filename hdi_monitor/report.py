@@ -10,27 +10,41 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from hdi_monitor.models import AttentionLayer, AttentionSpec, SkippedModule, discover_attention
-from hdi_monitor.models.base import PROJECTIONS
-from hdi_monitor.models.discovery import skipped_message
+from hdi_monitor._validation import check_choice, check_choices, check_int
 from hdi_monitor.functional.diversity import (
-    WEIGHTINGS,
+    Weighting,
     chance_hdi,
     head_diversity_index,
     invalid_heads,
     max_hdi,
     subspace_overlap,
 )
+from hdi_monitor.models import AttentionLayer, AttentionSpec, SkippedModule, discover_attention
+from hdi_monitor.models.base import PROJECTIONS
+from hdi_monitor.models.discovery import skipped_message
 from hdi_monitor.models.sharding import full_weights, gathers_weights, is_fsdp1_module
 
-__all__ = ["DiversityReport", "LayerDiversity", "compute_report", "head_diversity"]
+__all__ = [
+    "DiversityReport",
+    "LayerDiversity",
+    "Progress",
+    "Projection",
+    "compute_report",
+    "head_diversity",
+    "weight_groups",
+]
+
+#: A projection of an attention layer (the values of `PROJECTIONS`).
+Projection = Literal["query", "key", "value", "output"]
+#: A progress hook: called with the number of work units just done (``tqdm.update`` fits).
+Progress = Callable[[int], Any]
 
 _ACTIVATION_FIELDS = ("effective_heads", "mean_correlation", "variance_ratio", "num_tokens")
 
@@ -115,7 +129,7 @@ class DiversityReport:
         """Mean HDI of ``projection`` over the layers that have one (None if none has)."""
         if projection not in self.projections:
             raise ValueError(f"projection {projection!r} is not in this report; it has {self.projections}")
-        values = [lay.hdi[projection] for lay in self.layers if lay.hdi.get(projection) is not None]
+        values = [v for lay in self.layers if (v := lay.hdi.get(projection)) is not None]
         return float(sum(values) / len(values)) if values else None
 
     def to_dict(self) -> dict[str, Any]:
@@ -157,7 +171,7 @@ class DiversityReport:
         widths = [max(len(r[i]) for r in [header, *rows, footer]) for i in range(len(header))]
 
         def line(cells: list[str]) -> str:
-            padded = (c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+            padded = (c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
             return "  ".join(padded).rstrip()
 
         rule = "-" * len(line(header))
@@ -171,7 +185,9 @@ class DiversityReport:
         for note, names in notes.items():
             lines.append(f"note: {note} ({len(names)} layer{'s' if len(names) > 1 else ''})")
         if self.skipped:
-            lines.append(f"not measured ({len(self.skipped)} attention-like module{'s' if len(self.skipped) > 1 else ''}):")
+            lines.append(
+                f"not measured ({len(self.skipped)} attention-like module{'s' if len(self.skipped) > 1 else ''}):"
+            )
             lines += [f"  {s.name or '<root>'} ({s.class_name}): {s.reason}" for s in self.skipped]
         return "\n".join(lines)
 
@@ -195,44 +211,66 @@ def _nested(t: Tensor) -> list:
 
 
 def _check_projections(projections: Sequence[str] | str) -> tuple[str, ...]:
-    if isinstance(projections, str):
-        projections = (projections,)
-    projections = tuple(projections)
-    if not projections:
-        raise ValueError(f"projections must name at least one of {PROJECTIONS}")
-    bad = [p for p in projections if p not in PROJECTIONS]
-    if bad:
-        raise ValueError(f"unknown projection(s) {bad}: choose from {PROJECTIONS}")
-    if len(set(projections)) != len(projections):
-        raise ValueError(f"projections has duplicates: {projections}")
-    return projections
+    return check_choices("projections", projections, PROJECTIONS, allow_str=True)
 
 
-def _check_weighting(weighting: str) -> str:
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-    return weighting
+def _read(layer: AttentionLayer, projection: str) -> Tensor:
+    w = layer.head_weights(projection)
+    if w.is_meta:
+        raise ValueError(
+            f"{layer.name}: {projection} weights are on the meta device; materialise the model before "
+            "measuring it (find_attention_layers skips such layers with a warning)"
+        )
+    return w
+
+
+def weight_groups(
+    layers: Sequence[AttentionLayer], projections: Sequence[str], *, fsdp_root: nn.Module | None = None
+) -> Iterator[tuple[str, list[int], Tensor]]:
+    """The head weights of ``layers``, batched: yields ``(projection, layer indices, weights)``
+    with ``weights`` of shape ``(L, H, D_in, d)`` for the ``L`` layers listed.
+
+    Sharded layers come first, one at a time: reading their weights is a collective (DTensor
+    parameters under FSDP2 are gathered; FSDP1 units are unsharded, see `full_weights`), so
+    each such layer is gathered once for all its projections, yielded with ``L = 1`` one
+    projection after the other, and freed when the iteration moves on: peak memory stays at one
+    layer (one FSDP1 unit). Use each group before asking for the next and drop it. Every rank
+    must iterate the same layers in the same order, to the end.
+
+    The other layers are then stacked per projection by ``(H, D_in, d, dtype, device)``: one
+    group per shape, so that the math runs once per group on the weights' own device.
+    """
+    sharded = [gathers_weights(lay, fsdp_root) for lay in layers]
+    for i, lay in enumerate(layers):
+        if sharded[i]:
+            with full_weights(lay, fsdp_root):  # one layer's full weights at a time
+                for proj in projections:
+                    yield proj, [i], _read(lay, proj)[None]
+    for proj in projections:
+        groups: dict[tuple[Any, ...], list[tuple[int, Tensor]]] = {}
+        for i, lay in enumerate(layers):
+            if not sharded[i]:
+                w = _read(lay, proj)
+                groups.setdefault((tuple(w.shape), w.dtype, w.device), []).append((i, w))
+        for members in groups.values():
+            yield proj, [i for i, _ in members], torch.stack([w for _, w in members])
 
 
 def compute_report(
     layers: list[AttentionLayer],
-    projections: Sequence[str] = PROJECTIONS,
-    weighting: str = "spectral",
+    projections: Sequence[Projection] | Projection = PROJECTIONS,
+    weighting: Weighting = "spectral",
     *,
     fsdp_root: nn.Module | None = None,
     skipped: Sequence[SkippedModule] = (),
+    progress: Progress | None = None,
 ) -> DiversityReport:
     """Weight-based diversity of already-found attention layers.
 
-    Layers are grouped per projection by ``(heads, D_in, d, dtype, device)``; each group's head
-    weights are stacked and `subspace_overlap` and
-    `head_diversity_index` run once on the whole group, on the weights'
-    device. Results are copied to the CPU once per device at the end.
-
-    Sharded layers are the exception: reading their weights is a collective (DTensor parameters
-    under FSDP2 are gathered; FSDP1 units are unsharded, see `full_weights`),
-    so each such layer is gathered, reduced to its ``(H, H)`` overlaps (all projections) and freed
-    before the next one, and peak memory stays at one layer (one FSDP1 unit). Every rank must call
+    The layers' head weights come batched from `weight_groups`: per projection, the layers of
+    one shape, stacked, so `subspace_overlap` and `head_diversity_index` run once per group on
+    the weights' device; sharded layers (FSDP1 / FSDP2) one at a time, gathered and freed before
+    the next one. Results are copied to the CPU once per device at the end. Every rank must call
     this with the same layers in the same order.
 
     Args:
@@ -242,9 +280,12 @@ def compute_report(
         fsdp_root: for FSDP1 (``FullyShardedDataParallel``) models, the root FSDP module (in
             Lightning ``trainer.strategy.model``); ignored otherwise.
         skipped: the modules discovery left out (`Discovery.skipped`), carried into the report.
+        progress: called with the number of layers measured after each group, for one
+            projection (``len(layers) * len(projections)`` in all); ``tqdm(total=...).update``
+            fits.
     """
-    projections = _check_projections(projections)
-    _check_weighting(weighting)
+    checked = _check_projections(projections)
+    check_choice("weighting", weighting, Weighting)
     if not all(isinstance(lay, AttentionLayer) for lay in layers):
         raise TypeError("layers must be a list of AttentionLayer (see find_attention_layers)")
     results = [
@@ -261,46 +302,21 @@ def compute_report(
     ]
     # (projection, layer indices, overlap (L, h, h), hdi (L,), invalid (L, h)) on the weights' device
     pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]] = []
-    sharded = [gathers_weights(lay, fsdp_root) for lay in layers]
-
-    def read(i: int, proj: str) -> Tensor:
-        lay = layers[i]
-        w = lay.head_weights(proj)
-        if w.is_meta:
-            raise ValueError(
-                f"{lay.name}: {proj} weights are on the meta device; materialise the model before "
-                "measuring it (find_attention_layers skips such layers with a warning)"
-            )
-        heads, d_in, d = w.shape
-        results[i].chance_hdi[proj] = chance_hdi(model_dim=d_in, head_dim=d, weighting=weighting)  # type: ignore[arg-type]
-        results[i].max_hdi[proj] = max_hdi(num_heads=heads, head_dim=d, model_dim=d_in)
-        return w
-
     with torch.no_grad():
-        for i, lay in enumerate(layers):
-            if not sharded[i]:
-                continue
-            with full_weights(lay, fsdp_root):  # one layer's full weights at a time
-                for proj in projections:
-                    one = read(i, proj)[None]
-                    overlap = subspace_overlap(one, weighting)  # type: ignore[arg-type]
-                    pending.append((proj, [i], overlap, head_diversity_index(overlap), invalid_heads(one)))
-                    del one
-        for proj in projections:
-            groups: dict[tuple, list[tuple[int, Tensor]]] = {}
-            for i in range(len(layers)):
-                if not sharded[i]:
-                    w = read(i, proj)
-                    groups.setdefault((tuple(w.shape), w.dtype, w.device), []).append((i, w))
-            for members in groups.values():
-                idx = [i for i, _ in members]
-                stacked = torch.stack([w for _, w in members])  # (L, h, D_in, d)
-                overlap = subspace_overlap(stacked, weighting)  # type: ignore[arg-type]
-                pending.append((proj, idx, overlap, head_diversity_index(overlap), invalid_heads(stacked)))
+        for proj, idx, stacked in weight_groups(layers, checked, fsdp_root=fsdp_root):
+            _, heads, d_in, d = stacked.shape
+            for i in idx:
+                results[i].chance_hdi[proj] = chance_hdi(model_dim=d_in, head_dim=d, weighting=weighting)
+                results[i].max_hdi[proj] = max_hdi(num_heads=heads, head_dim=d, model_dim=d_in)
+            overlap = subspace_overlap(stacked, weighting)
+            pending.append((proj, idx, overlap, head_diversity_index(overlap), invalid_heads(stacked)))
+            del stacked  # a gathered layer is freed before the next one
+            if progress is not None:
+                progress(len(idx))
     _collect(pending, results)
     if not all(isinstance(s, SkippedModule) for s in skipped):
         raise TypeError("skipped must be a sequence of SkippedModule (see discover_attention)")
-    return DiversityReport(layers=results, projections=projections, weighting=weighting, skipped=list(skipped))
+    return DiversityReport(layers=results, projections=checked, weighting=weighting, skipped=list(skipped))
 
 
 def _collect(pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]], results: list[LayerDiversity]) -> None:
@@ -343,10 +359,14 @@ def _add_activation_stats(
     max_tokens: int | None,
     *,
     fsdp_root: nn.Module | None = None,
+    progress: Progress | None = None,
 ) -> None:
-    """Run ``inputs`` through ``model`` with output hooks feeding one accumulator per layer."""
-    from hdi_monitor.models.hooks import attach_output_hooks, call_model, iter_batches, eval_mode
-    from hdi_monitor.models.hooks import output_accumulator
+    """Run ``inputs`` through ``model`` with output hooks feeding one accumulator per layer, then
+    fill each layer's statistics (one device-to-host transfer for all layers). The accumulators
+    read ``W_O`` while the head outputs arrive, so nothing here reads the weights afterwards.
+    ``progress`` is called with 1 after each batch."""
+    from hdi_monitor.functional.covariance import compute_results
+    from hdi_monitor.models.hooks import attach_output_hooks, call_model, eval_mode, iter_batches, output_accumulator
 
     accs = [
         output_accumulator(
@@ -367,16 +387,19 @@ def _add_activation_stats(
                 for h in handles:
                     h.remove()
             seen += 1
+            if progress is not None:
+                progress(1)
     if seen == 0:
         raise ValueError("inputs held no batch")
-    for lay, acc, res in zip(layers, accs, results):
-        try:
-            with full_weights(lay, fsdp_root):
-                stats = acc.compute()
-        except ValueError as exc:
-            raise ValueError(f"{lay.name}: no head-output statistics: {exc}") from exc
-        res.covariance = stats.covariance.detach().cpu()
-        res.correlation = stats.correlation.detach().cpu()
+    for lay, acc, res, stats in zip(layers, accs, results, compute_results(accs), strict=True):
+        if stats is None:
+            try:
+                acc.compute()  # raises the accumulator's own message: why there is no token
+            except ValueError as exc:
+                raise ValueError(f"{lay.name}: no head-output statistics: {exc}") from exc
+        assert stats is not None
+        res.covariance = stats.covariance
+        res.correlation = stats.correlation
         res.effective_heads = float(stats.effective_heads)
         res.mean_correlation = float(stats.mean_correlation)
         res.variance_ratio = float(stats.variance_ratio)
@@ -386,12 +409,13 @@ def _add_activation_stats(
 def head_diversity(
     model: nn.Module,
     *,
-    projections: Sequence[str] = PROJECTIONS,
-    weighting: str = "spectral",
+    projections: Sequence[Projection] | Projection = PROJECTIONS,
+    weighting: Weighting = "spectral",
     spec: AttentionSpec | Sequence[AttentionSpec] | None = None,
     layers: str | Sequence[str] | None = None,
     inputs: Any = None,
     max_tokens: int | None = None,
+    progress: Progress | None = None,
 ) -> DiversityReport:
     """Head diversity of every attention layer of ``model``.
 
@@ -410,6 +434,9 @@ def head_diversity(
             ``attention_mask``). The model runs in eval mode (restored afterwards) under no_grad;
             inputs must already be on the model's device.
         max_tokens: cap on the tokens each layer's accumulator takes.
+        progress: called with the number of work units just done, for a progress bar:
+            ``len(layers) * len(projections)`` layer measurements, then one per batch of
+            ``inputs``; ``tqdm(total=...).update`` fits (see `compute_report`).
 
     Returns:
         A `DiversityReport`; ``print(report)`` shows a table. Attention-like modules that
@@ -421,10 +448,10 @@ def head_diversity(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    projections = _check_projections(projections)
-    _check_weighting(weighting)
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
+    checked = _check_projections(projections)
+    check_choice("weighting", weighting, Weighting)
+    if max_tokens is not None:
+        check_int("max_tokens", max_tokens)
     root = model if is_fsdp1_module(model) else None
     with torch.no_grad():
         discovery = discover_attention(model, spec=spec, layers=layers)
@@ -432,8 +459,13 @@ def head_diversity(
         if discovery.skipped:
             warnings.warn(skipped_message(discovery.skipped), UserWarning, stacklevel=2)
         report = compute_report(
-            found, projections=projections, weighting=weighting, fsdp_root=root, skipped=discovery.skipped
+            found,
+            projections=checked,  # type: ignore[arg-type]  # checked: members of PROJECTIONS
+            weighting=weighting,
+            fsdp_root=root,
+            skipped=discovery.skipped,
+            progress=progress,
         )
         if inputs is not None:
-            _add_activation_stats(model, found, report.layers, inputs, max_tokens, fsdp_root=root)
+            _add_activation_stats(model, found, report.layers, inputs, max_tokens, fsdp_root=root, progress=progress)
     return report

@@ -11,7 +11,7 @@ import torch
 from conftest import loader, read_events, scalar_series, tiny_lm, trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from hdi_monitor import HDIMonitor, head_diversity
+from hdi_monitor import HDIMonitor, SaturationDetector, head_diversity
 from hdi_monitor.contrib.demo import CharLM
 
 PROJECTIONS = ("query", "key", "value", "output")
@@ -23,7 +23,7 @@ def tb_run(tmp_path_factory):
     """One lr=0 run: 10 steps, measure every 3 steps, images every 6."""
     tmp = tmp_path_factory.mktemp("tb")
     model = tiny_lm()
-    monitor = HDIMonitor(every_n_steps=3, log_images_every_n_steps=6, strict=True, early_warning=False)
+    monitor = HDIMonitor(every_n_steps=3, log_images_every_n_steps=6, strict=True, detector=None)
     t = trainer(tmp, monitor, max_steps=10)
     t.fit(model, loader())
     return model, monitor, t, read_events(t.logger.log_dir)
@@ -134,7 +134,7 @@ def test_hooks_removed_after_training(tb_run):
 
 def test_csv_logger_gets_scalars(tmp_path):
     model = tiny_lm()
-    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, strict=True, early_warning=False)
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, strict=True, detector=None)
     t = trainer(tmp_path, monitor, max_steps=5, logger=CSVLogger(str(tmp_path), name="csv"))
     t.fit(model, loader())
     rows = list(csv.DictReader((Path(t.logger.log_dir) / "metrics.csv").read_text().splitlines()))
@@ -148,12 +148,12 @@ def test_csv_logger_gets_scalars(tmp_path):
 def test_resume_continues_history_without_duplicates(tmp_path):
     ckpt_cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=4)
     model = tiny_lm(lr=1e-3)
-    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, strict=True, early_warning=False)
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, strict=True, detector=None)
     t = trainer(tmp_path, [monitor, ckpt_cb], max_steps=4, enable_checkpointing=True)
     t.fit(model, loader())
     assert [h["step"] for h in monitor.history] == [0, 2]
 
-    monitor2 = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, strict=True, early_warning=False)
+    monitor2 = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, strict=True, detector=None)
     t2 = trainer(tmp_path, [monitor2], max_steps=9, logger=TensorBoardLogger(str(tmp_path), name="tb"))
     t2.fit(tiny_lm(lr=1e-3), loader(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert [h["step"] for h in monitor2.history] == [0, 2, 4, 6, 8]
@@ -168,9 +168,7 @@ def test_fit_twice_on_one_trainer_continues_history_and_detector(tmp_path):
     """Item 4 (issue 12): a second trainer.fit on the same Trainer continues the history, the events
     and the detector on Lightning's own step axis; a new Trainer starts afresh."""
     model = tiny_lm(lr=0.0)  # flat HDI: saturation needs patience + 1 = 4 measurements in one series
-    monitor = HDIMonitor(
-        every_n_steps=2, projections=("key",), activations=False, patience=3, warmup_steps=0, strict=True
-    )
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, detector=SaturationDetector(patience=3, warmup_steps=0), strict=True)
     t = pl.Trainer(
         max_epochs=1,
         logger=TensorBoardLogger(str(tmp_path), name="tb"),
@@ -209,7 +207,7 @@ def test_fit_twice_on_one_trainer_continues_history_and_detector(tmp_path):
 
 def test_gradient_accumulation_measures_optimizer_steps(tmp_path):
     model = tiny_lm()
-    monitor = HDIMonitor(every_n_steps=2, projections=("key",), strict=True, early_warning=False, max_tokens=None)
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), strict=True, detector=None, max_tokens=None)
     t = trainer(tmp_path, monitor, max_steps=5, accumulate_grad_batches=3)
     t.fit(model, loader(n=80))
     assert [h["step"] for h in monitor.history] == [0, 2, 4]
@@ -227,22 +225,22 @@ def test_gradient_accumulation_measures_optimizer_steps(tmp_path):
 
 def test_no_logger_warns_and_keeps_history(tmp_path):
     model = tiny_lm()
-    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, strict=True, early_warning=False)
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, strict=True, detector=None)
     with pytest.warns(UserWarning, match="no logger"):
         trainer(tmp_path, monitor, max_steps=3, logger=False).fit(model, loader())
     assert [h["step"] for h in monitor.history] == [0, 2]
 
 
 def test_fast_dev_run(tmp_path):
-    monitor = HDIMonitor(every_n_steps=1, strict=True, early_warning=False)
+    monitor = HDIMonitor(every_n_steps=1, strict=True, detector=None)
     t = pl.Trainer(fast_dev_run=2, callbacks=[monitor], accelerator="cpu", enable_progress_bar=False)
     t.fit(tiny_lm(), loader())
     assert [h["step"] for h in monitor.history] == [0, 1]
 
 
 def test_two_monitors_coexist_with_state_keys(tmp_path):
-    a = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, state_key="a", early_warning=False)
-    b = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, state_key="b", early_warning=False)
+    a = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, state_key="a", detector=None)
+    b = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, state_key="b", detector=None)
     assert a.state_key != b.state_key
     trainer(tmp_path, [a, b], max_steps=3).fit(tiny_lm(), loader())
     assert [h["step"] for h in a.history] == [h["step"] for h in b.history] == [0, 2]
@@ -256,14 +254,14 @@ def test_internal_error_becomes_warning_and_training_goes_on(tmp_path, monkeypat
 
     monkeypatch.setattr(tracker_mod, "compute_report", broken)
     model = tiny_lm()
-    monitor = HDIMonitor(every_n_steps=1, early_warning=False)
+    monitor = HDIMonitor(every_n_steps=1, detector=None)
     with pytest.warns(tracker_mod.MonitoringWarning, match="boom"):
         t = trainer(tmp_path, monitor, max_steps=3)
         t.fit(model, loader())
     assert t.global_step == 3
     assert monitor.history == []
 
-    strict = HDIMonitor(every_n_steps=1, strict=True, early_warning=False)
+    strict = HDIMonitor(every_n_steps=1, strict=True, detector=None)
     with pytest.raises(RuntimeError, match="boom"):
         trainer(tmp_path, strict, max_steps=3).fit(tiny_lm(), loader())
 
@@ -277,7 +275,7 @@ def test_hooks_removed_on_exception(tmp_path):
 
     torch.manual_seed(0)
     model = Exploding(d_model=32, num_heads=4, num_layers=2, seq_len=16, lr=0.0)
-    monitor = HDIMonitor(every_n_steps=2, strict=True, early_warning=False)
+    monitor = HDIMonitor(every_n_steps=2, strict=True, detector=None)
     with pytest.raises(ValueError, match="user code failed"):
         trainer(tmp_path, monitor, max_steps=5).fit(model, loader())
     for module in model.modules():
@@ -345,9 +343,8 @@ def test_points_use_the_weights_of_their_forward_pass(tmp_path):
             snapshots[trainer.global_step] = (copy.deepcopy(pl_module), [t.clone() for t in batch])
 
     model = tiny_lm(lr=0.05)
-    monitor = HDIMonitor(every_n_steps=2, projections=("key",), strict=True, early_warning=False, max_tokens=None)
-    t = trainer(tmp_path, [Snapshot(), monitor], max_steps=5)
-    t.fit(model, loader())
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), strict=True, detector=None, max_tokens=None)
+    trainer(tmp_path, [Snapshot(), monitor], max_steps=5).fit(model, loader())
     by_step = {int(h["step"]): h for h in monitor.history}
     assert sorted(by_step) == [0, 2, 4]
     for step in (2, 4):

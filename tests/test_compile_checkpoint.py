@@ -231,7 +231,7 @@ def test_monitor_on_compiled_submodule(family, how):
         getattr(model, inner).compile(backend="eager")
         prefix = ""
     monitor = HDIMonitor(
-        every_n_steps=EVERY, spec=spec, log_images_every_n_steps=0, early_warning=False, max_tokens=None
+        every_n_steps=EVERY, spec=spec, log_images_every_n_steps=0, detector=None, max_tokens=None
     )
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -291,7 +291,7 @@ def test_gradient_checkpointing_does_not_double_count(use_reentrant):
         lambda mod, args, kwargs: calls.append(1), with_kwargs=True
     )
     monitor = HDIMonitor(
-        every_n_steps=EVERY, log_images_every_n_steps=0, early_warning=False, max_tokens=None, strict=True
+        every_n_steps=EVERY, log_images_every_n_steps=0, detector=None, max_tokens=None, strict=True
     )
     fit(model, monitor)
     counter.remove()

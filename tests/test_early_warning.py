@@ -10,20 +10,15 @@ import pytest
 import torch
 from conftest import loader, read_events, tiny_lm, trainer
 
-from hdi_monitor import DiversityEvent, DiversityWarning, HDIMonitor
+from hdi_monitor import DiversityEvent, DiversityWarning, HDIMonitor, SaturationDetector
 
 LAYER0 = "encoder.layers.0.self_attn"
 
 
 def test_flat_hdi_fires_saturation_and_stop_ends_training_early(tmp_path):
     monitor = HDIMonitor(
-        every_n_steps=2,
-        projections=("key",),
-        activations=False,
-        patience=3,
-        warmup_steps=0,
-        on_saturation="stop",
-        strict=True,
+        every_n_steps=2, projections=("key",), activations=False, detector=SaturationDetector(patience=3, warmup_steps=0),
+        on_saturation="stop", strict=True,
     )
     t = trainer(tmp_path, monitor, max_steps=40)
     with pytest.warns(DiversityWarning, match="step 6: saturation in 2 layers and the model mean"):
@@ -45,7 +40,7 @@ def test_flat_hdi_fires_saturation_and_stop_ends_training_early(tmp_path):
 
 
 def test_warn_mode_does_not_stop(tmp_path):
-    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, patience=2, warmup_steps=0)
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, detector=SaturationDetector(patience=2, warmup_steps=0))
     t = trainer(tmp_path, monitor, max_steps=12)
     with pytest.warns(DiversityWarning):
         t.fit(tiny_lm(lr=0.0), loader())
@@ -64,9 +59,7 @@ def test_tied_key_heads_get_a_redundancy_warning(tmp_path):
     model = tiny_lm(lr=0.0)
     _tie_key_heads(model, layer=0, a=1, b=3)
     events: list[DiversityEvent] = []
-    monitor = HDIMonitor(
-        every_n_steps=2, projections=("key",), warmup_steps=0, on_saturation=events.append, strict=True
-    )
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), detector=SaturationDetector(warmup_steps=0), on_saturation=events.append, strict=True)
     trainer(tmp_path, monitor, max_steps=3).fit(model, loader())
     redundant = [e for e in events if e.kind == "redundancy" and e.projection == "key"]
     assert len(redundant) == 1  # once, not at every measurement
@@ -86,15 +79,8 @@ def _warnings_of(fit) -> list[str]:
 
 def test_resumed_run_warns_exactly_like_an_uninterrupted_one(tmp_path):
     def monitor():
-        return HDIMonitor(
-            every_n_steps=2,
-            projections=("key", "query"),
-            activations=False,
-            patience=2,
-            warmup_steps=4,
-            redundancy_threshold=0.99,
-            strict=True,
-        )
+        return HDIMonitor(every_n_steps=2, projections=("key", "query"), activations=False,
+                          detector=SaturationDetector(patience=2, warmup_steps=4, redundancy_threshold=0.99), strict=True)
 
     def model():
         m = tiny_lm(lr=0.0)
@@ -130,7 +116,7 @@ def test_at_most_one_warning_per_measured_step_pointing_at_user_code(tmp_path):
     model = tiny_lm(lr=0.0)
     _tie_key_heads(model, layer=0, a=1, b=3)
     _tie_key_heads(model, layer=1, a=0, b=2)
-    monitor = HDIMonitor(every_n_steps=2, patience=2, warmup_steps=0, redundancy_threshold=0.99, strict=True)
+    monitor = HDIMonitor(every_n_steps=2, detector=SaturationDetector(patience=2, warmup_steps=0, redundancy_threshold=0.99), strict=True)
     t = trainer(tmp_path, monitor, max_steps=9)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -16,7 +16,7 @@ from conftest import read_events, scalar_series
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from hdi_monitor import HDITracker, head_diversity
+from hdi_monitor import HDITracker, SaturationDetector, head_diversity
 
 PROJECTIONS = ("query", "key", "value", "output")
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,7 +210,7 @@ def hf_run(tmp_path_factory):
     reference = Reference(model, tiny_bert)
     writer = SummaryWriter(str(tmp / "tb"))
     monitor = HDITrainerCallback(
-        every_n_steps=2, log_images_every_n_steps=2, writer=writer, strict=True, early_warning=False
+        every_n_steps=2, log_images_every_n_steps=2, writer=writer, strict=True, detector=None
     )
     fields = transformers.TrainingArguments.__dataclass_fields__
     checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
@@ -321,7 +321,7 @@ def test_hf_gpt2_log_dir_and_every_step(tmp_path):
         measure_at_start=False,
         log_dir=tmp_path / "hdi",
         strict=True,
-        early_warning=False,
+        detector=None,
     )
     trainer = transformers.Trainer(
         model=model, args=training_args(tmp_path, max_steps=3), train_dataset=MaskedDataset(), callbacks=[monitor]
@@ -421,14 +421,8 @@ def test_hf_resume_from_checkpoint_restores_history_and_detector(tmp_path):
 
     def callback():
         return HDITrainerCallback(
-            every_n_steps=1,
-            projections=("key",),
-            max_tokens=16,
-            log_dir=str(tmp_path / "tb"),
-            patience=3,
-            warmup_steps=0,
-            log_images_every_n_steps=0,
-            strict=True,
+            every_n_steps=1, projections=("key",), max_tokens=16, log_dir=str(tmp_path / "tb"),
+            detector=SaturationDetector(patience=3, warmup_steps=0), log_images_every_n_steps=0, strict=True,
         )
 
     def run(out: str, cb, resume=None, max_steps=6):

@@ -379,3 +379,15 @@ def test_pretrained_minilm_vs_random_init():
     assert chance == pytest.approx(1 - 32 / (384 + 32 + 1))
     assert rep_t.mean_hdi("key") < chance - 0.07  # observed 0.813 vs 0.923
     assert abs(rep_r.mean_hdi("key") - chance) < 0.005
+
+
+def test_progress_hook_counts_layers_and_batches_and_changes_nothing():
+    """Issue 14: one call with a progress hook (what the CLI's tqdm bar uses) gives the report of
+    the call without one; the hook sees every layer of every projection, then every batch."""
+    model = encoder(3)
+    x = torch.randn(2, 5, D)
+    ticks: list[int] = []
+    rep = head_diversity(model, projections=("key", "value"), inputs=[x, x[:1]], progress=ticks.append)
+    assert sum(ticks) == 3 * 2 + 2 and ticks[-2:] == [1, 1]
+    assert ticks[:-2] == [3, 3]  # one stacked group of the 3 same-shape layers per projection
+    assert rep.to_dict() == head_diversity(model, projections=("key", "value"), inputs=[x, x[:1]]).to_dict()

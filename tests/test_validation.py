@@ -26,11 +26,14 @@ BAD = [
     ({"seed": 1.5}, ValueError, "seed must be an integer >= 0"),
 ]
 CALLBACK_BAD = [
-    ({"early_warning": "off"}, TypeError, "early_warning must be True or False"),
-    # detector settings are checked even with the detector off
-    ({"early_warning": False, "patience": 0}, ValueError, "patience"),
-    ({"early_warning": False, "mode": "maximum"}, ValueError, "mode"),
-    ({"early_warning": False, "redundancy_threshold": 2.0}, ValueError, "redundancy_threshold"),
+    ({"detector": "off"}, TypeError, "detector must be a SaturationDetector, 'default' or None, got str 'off'"),
+    ({"activation_detector": 0.9}, TypeError, "activation_detector must be a SaturationDetector, 'default' or None"),
+    # the former loose detector arguments: a TypeError that names the settings and the detector
+    ({"patience": 5}, TypeError, r"'patience'.*the settings are every_n_steps, projections, .*seed; "
+     r"patience configure the detector: pass detector=SaturationDetector\(patience=...\)"),
+    ({"early_warning": False}, TypeError, "early_warning=False is detector=None"),
+    ({"every_n_step": 5}, TypeError, r"unexpected keyword argument\(s\) 'every_n_step'; the settings are every_n_steps,"),
+    ({"config": {"every_n_steps": 5}}, TypeError, "config must be a MonitorConfig or None, got dict"),
 ]
 
 
@@ -54,7 +57,8 @@ def test_tracker_checks_every_argument_in_init(kwargs, error, match):
     [
         ({"sinks": [object()]}, TypeError, "every sink needs log_scalars"),
         ({"sinks": "tb"}, TypeError, "sinks must be a sequence"),
-        ({"detector": "default"}, TypeError, "detector must be a SaturationDetector or None"),
+        ({"detector": "on"}, TypeError, "detector must be a SaturationDetector, 'default' or None"),
+        ({"every_n_step": 5}, TypeError, "HDITracker got unexpected keyword argument"),
     ],
 )
 def test_tracker_checks_sinks_and_detectors(kwargs, error, match):
@@ -136,3 +140,39 @@ def test_layers_filter_that_matches_nothing_raises_with_the_real_names():
         ValueError, match=r"matches none of the 2 attention layers: \['layers\.0\.self_attn', 'layers\.1\.self_attn'\]"
     ):
         tracker.step()
+
+
+def test_one_settings_object_shared_by_the_tracker_and_both_callbacks():
+    """Issue 14: `MonitorConfig` is the settings of all three; keyword fields apply over a config."""
+    import dataclasses
+
+    from hdi_monitor import MonitorConfig
+
+    base = MonitorConfig(every_n_steps=7, projections=["key"], layers=["a"])
+    assert base.projections == ("key",) and base.layers == ("a",)  # normalised to tuples (frozen)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.every_n_steps = 3  # type: ignore[misc]
+    expected = dataclasses.replace(base, max_tokens=16)
+    assert HDIMonitor(base, max_tokens=16).config == expected
+    assert HDIMonitor(every_n_steps=7, projections=("key",), layers=["a"], max_tokens=16).config == expected
+    assert HDITrainerCallback(base, max_tokens=16).config == expected
+    tracker = HDITracker(nn.MultiheadAttention(8, 2), base, max_tokens=16)
+    assert tracker.config == expected
+    assert (tracker.every_n_steps, tracker.max_tokens, tracker.log_images_every_n_steps) == (7, 16, 70)
+
+
+def test_default_activation_detector_follows_the_hdi_detector():
+    from hdi_monitor import SaturationDetector
+    from hdi_monitor.monitor.config import ACTIVATION_COLLAPSE_DELTA, ACTIVATION_MIN_DELTA, resolve_detectors
+
+    det = SaturationDetector(patience=4, warmup_steps=30, redundancy_threshold=0.8, min_delta=0.01)
+    hdi, act = resolve_detectors(det, "default")
+    assert hdi is det and act is not None
+    assert (act.patience, act.warmup_steps, act.redundancy_threshold) == (4, 30, 0.8)
+    assert (act.min_delta, act.collapse_delta) == (ACTIVATION_MIN_DELTA, ACTIVATION_COLLAPSE_DELTA)
+    assert resolve_detectors(None, "default") == (None, None)
+    assert resolve_detectors("default", "default", activations=False)[1] is None
+    hdi, act = resolve_detectors("default", None)
+    assert act is None and hdi is not None
+    default = SaturationDetector()
+    assert (hdi.patience, hdi.min_delta, hdi.warmup_steps) == (default.patience, default.min_delta, default.warmup_steps)

@@ -1,4 +1,4 @@
-"""``python -m hdi_monitor.cli``: the ``hdi-monitor`` console script."""
+"""``python -m hdi_monitor.cli``: the ``hdi-monitor`` command."""
 
 import sys
 

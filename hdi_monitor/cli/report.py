@@ -27,7 +27,7 @@ import inspect
 import json
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +139,9 @@ def _check_complete(path: Path, what: str) -> None:
         return
     size = path.stat().st_size
     if size == 0:
-        raise CLIError(f"{what} {str(path)!r} is empty (0 bytes): the file was not written completely, or is not the one you meant")
+        raise CLIError(
+            f"{what} {str(path)!r} is empty (0 bytes): the file was not written completely, or is not the one you meant"
+        )
     with open(path, "rb") as f:
         head = f.read(4)
     if head == b"PK\x03\x04" and not zipfile.is_zipfile(path):
@@ -186,7 +188,9 @@ def _torch_load(path: Path, allow_pickle: bool, what: str) -> Any:
                 f"{what} {str(path)!r} holds Python objects beyond tensors; if you trust the file, rerun with --allow-pickle"
             ) from err
         if _truncated_pickle(err):
-            raise CLIError(f"{what} {str(path)!r} is truncated: its data ends early; the save or the copy was cut off") from err
+            raise CLIError(
+                f"{what} {str(path)!r} is truncated: its data ends early; the save or the copy was cut off"
+            ) from err
         raise CLIError(
             f"{what} {str(path)!r} is not a PyTorch model file ({type(err).__name__}: {_one_line(err)})"
         ) from err
@@ -232,7 +236,9 @@ def _load_lightning(path: Path, spec: str, allow_pickle: bool) -> Any:
                 f"{str(path)!r} holds Python objects beyond tensors; if you trust the file, rerun with --allow-pickle"
             ) from err
         if _truncated_pickle(err):
-            raise CLIError(f"checkpoint {str(path)!r} is truncated: its data ends early; the save or the copy was cut off") from err
+            raise CLIError(
+                f"checkpoint {str(path)!r} is truncated: its data ends early; the save or the copy was cut off"
+            ) from err
         raise CLIError(f"cannot rebuild {spec} from {str(path)!r} ({type(err).__name__}: {_one_line(err)})") from err
 
 
@@ -287,7 +293,7 @@ def _strip_prefix(state: dict[str, Any], wanted: set[str], base_prefix: str | No
 def _model_classes(transformers: Any, cfg: Any) -> list[tuple[str, Any]]:
     """Classes to try for a config: its ``architectures`` (the model the weights came from), then
     ``AutoModel`` (the base model)."""
-    out = []
+    out: list[tuple[str, Any]] = []
     for name in getattr(cfg, "architectures", None) or []:
         cls = getattr(transformers, str(name), None)
         if isinstance(cls, type):
@@ -397,28 +403,15 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
     model = _load_state_dict_model(path, state, args.config)
     tokenizer = None
     if args.inputs and str(args.inputs).endswith(".txt"):
-        with _quiet_transformers() as transformers:
-            with contextlib.suppress(Exception):
-                tokenizer = transformers.AutoTokenizer.from_pretrained(
-                    str(_config_path(args.config).parent), local_files_only=True
-                )
+        with _quiet_transformers() as transformers, contextlib.suppress(Exception):
+            tokenizer = transformers.AutoTokenizer.from_pretrained(
+                str(_config_path(args.config).parent), local_files_only=True
+            )
         if tokenizer is None:
             raise CLIError(
                 "--inputs is text but the --config folder has no tokenizer; give a .pt file of token ids instead"
             )
     return model, tokenizer
-
-
-def _to_device(obj: Any, device: Any) -> Any:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, Mapping):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return obj
 
 
 def load_inputs(path_str: str, model: Any, tokenizer: Any, allow_pickle: bool) -> Any:
@@ -460,34 +453,6 @@ def load_inputs(path_str: str, model: Any, tokenizer: Any, allow_pickle: bool) -
     raise CLIError(f"--inputs must be a .txt or .pt file, got {path_str!r}")
 
 
-class _Bar:
-    """A tqdm bar on stderr, or a silent stand-in."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self._bar = None
-        if enabled:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=total, file=sys.stderr, desc="hdi-monitor report", unit="step", leave=False)
-
-    def update(self, n: int = 1) -> None:
-        if self._bar is not None:
-            self._bar.update(n)
-
-    def grow(self, n: int) -> None:
-        if self._bar is not None:
-            self._bar.total += n
-            self._bar.refresh()
-
-    def describe(self, text: str) -> None:
-        if self._bar is not None:
-            self._bar.set_postfix_str(text, refresh=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
 def find_layers(model: Any, args: argparse.Namespace) -> list[Any]:
     """The attention layers of ``model`` selected by ``--layers`` (CLIError when there is none)."""
     import torch
@@ -503,46 +468,32 @@ def find_layers(model: Any, args: argparse.Namespace) -> list[Any]:
 
 def measure(
     model: Any,
-    layers: list[Any],
     projections: tuple[str, ...],
     weighting: str,
     inputs: Any = None,
     max_tokens: int | None = None,
-    bar: _Bar | None = None,
+    layer_filter: str | None = None,
+    progress: Callable[[int], Any] | None = None,
 ) -> Any:
-    """The report `head_diversity` gives, computed one projection at a time so
-    that a progress bar can follow large models (projections are independent in
-    `compute_report`, so the numbers are the same)."""
-    import torch
+    """The report of `head_diversity` (the same call, ``layer_filter`` is its ``layers``), with
+    ``progress`` called as it goes: one per layer and projection, then one per batch of
+    ``inputs``."""
+    from hdi_monitor.report import head_diversity
 
-    from hdi_monitor.report import DiversityReport, _add_activation_stats, compute_report
-
-    bar = bar or _Bar(0, False)
-    merged: DiversityReport | None = None
-    for p in projections:
-        bar.describe(f"{len(layers)} layers, {p}")
-        part = compute_report(layers, projections=(p,), weighting=weighting)
-        if merged is None:
-            merged = part
-        else:
-            for into, lay in zip(merged.layers, part.layers, strict=True):
-                into.hdi.update(lay.hdi)
-                into.overlap.update(lay.overlap)
-                into.chance_hdi.update(lay.chance_hdi)
-                into.max_hdi.update(lay.max_hdi)
-                into.invalid_heads.update(lay.invalid_heads)
-        bar.update(1)
-    assert merged is not None
-    report = DiversityReport(layers=merged.layers, projections=projections, weighting=weighting)
-    if inputs is not None:
-        bar.describe("head outputs")
-        try:
-            with torch.no_grad():
-                _add_activation_stats(model, layers, report.layers, inputs, max_tokens)
-        except (ValueError, TypeError) as err:
-            raise CLIError(f"--inputs: {_one_line(err)}") from err
-        bar.update(1)
-    return report
+    try:
+        return head_diversity(
+            model,
+            projections=projections,  # type: ignore[arg-type]
+            weighting=weighting,  # type: ignore[arg-type]
+            layers=layer_filter,
+            inputs=inputs,
+            max_tokens=max_tokens,
+            progress=progress,
+        )
+    except (ValueError, TypeError) as err:
+        if inputs is None:
+            raise
+        raise CLIError(f"--inputs: {_one_line(err)}") from err
 
 
 def run(args: argparse.Namespace) -> int:
@@ -572,18 +523,28 @@ def run(args: argparse.Namespace) -> int:
             model.to(device)
         except Exception as err:  # noqa: BLE001
             raise CLIError(f"--device {args.device!r}: {_one_line(err)}") from err
-        inputs = _to_device(inputs, device)
+        from lightning.fabric.utilities.apply_func import move_data_to_device
+
+        inputs = move_data_to_device(inputs, device)
     layers = find_layers(model, args)
     show = args.progress if args.progress is not None else len(layers) > _PROGRESS_LAYERS
-    bar = _Bar(len(projections) + (inputs is not None), show)
+    if inputs is not None:
+        from hdi_monitor.models.hooks import iter_batches
+
+        inputs = list(iter_batches(inputs))  # a list of batches: counted for the bar, measured the same
+    total = len(layers) * len(projections) + (len(inputs) if inputs is not None else 0)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, file=sys.stderr, desc="hdi-monitor report", unit="layer", leave=False, disable=not show)
     try:
-        report = measure(model, layers, projections, args.weighting, inputs, args.max_tokens, bar)
+        bar.set_postfix_str(f"{len(layers)} layers, {', '.join(projections)}", refresh=False)
+        report = measure(model, projections, args.weighting, inputs, args.max_tokens, args.layers, progress=bar.update)
         files = None
         if args.out:
             from hdi_monitor.cli.html import figure_count, write_report
 
-            bar.grow(figure_count(report))
-            bar.describe("figures")
+            bar.total += figure_count(report)
+            bar.set_postfix_str("figures", refresh=True)
             resolved = Path(args.path).resolve()
             name = f"{resolved.parent.name}/{resolved.name}" if resolved.is_dir() else resolved.name
             title = f"Head diversity: {name}"

@@ -168,6 +168,7 @@ def run_demo(
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from hdi_monitor.integrations.lightning import HDIMonitor
+    from hdi_monitor.monitor.detector import SaturationDetector
 
     pl.seed_everything(seed, verbose=False)
     torch.set_float32_matmul_precision("high")
@@ -175,7 +176,7 @@ def run_demo(
     monitor = HDIMonitor(
         every_n_steps=every_n_steps,
         log_images_every_n_steps=log_images_every_n_steps,
-        warmup_steps=max_steps // 3,
+        detector=SaturationDetector(warmup_steps=max_steps // 3),
     )
     trainer = pl.Trainer(
         max_steps=max_steps,

@@ -7,7 +7,7 @@
           with tracker.capture(batch):          # head outputs of this forward pass, if measured
               loss = loss_fn(model(batch))
           loss.backward()
-          tracker.step()                        # before optimizer.step(): finish, advance the step
+          tracker.step()                        # finish the measured step, advance the step
           optimizer.step(); optimizer.zero_grad()
 
 * Hugging Face ``Trainer``: `HDITrainerCallback`

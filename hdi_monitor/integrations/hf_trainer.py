@@ -38,7 +38,8 @@ resumed run measures, warns and subsamples exactly like an uninterrupted one. Th
 in ``on_train_begin`` on the callback instance you passed (its settings are kept), whether or not
 ``TrainingArguments.restore_callback_states_from_checkpoint`` is set. With that flag set the
 Trainer rebuilds the callback from the JSON-ready part of its arguments: pass ``writer``,
-``spec`` and a callable ``on_saturation`` again in that case, or leave the flag off. A new
+``spec``, a configured ``detector`` and a callable ``on_saturation`` again in that case, or leave
+the flag off. A new
 ``trainer.train()`` without a checkpoint starts afresh.
 
 **Checks.** Every argument is checked in ``__init__``; a model without a recognised attention
@@ -48,18 +49,19 @@ step.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
 from torch import nn
 
-from hdi_monitor.models import PROJECTIONS, AttentionSpec
-from hdi_monitor.monitor.detector import DiversityEvent
-from hdi_monitor.monitor.tracker import HDITracker, Measurement, fresh_settings, tracker_settings
+from hdi_monitor._validation import check_bool
+from hdi_monitor.monitor.config import DetectorArg, MonitorConfig, check_detector
+from hdi_monitor.monitor.tracker import HDITracker, Measurement
 
 try:
     from transformers import TrainerCallback
@@ -96,89 +98,63 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
     """Measure attention-head diversity every ``every_n_steps`` optimizer updates of a ``Trainer``.
 
     Args:
-        every_n_steps: measure updates ``k`` with ``k % every_n_steps == 0`` (``k = state.global_step``
-            after the update, the step the Trainer logs that update's loss at).
-        projections: any of ``"query"``, ``"key"``, ``"value"``, ``"output"``.
-        weighting: ``"spectral"`` (default) or ``"uniform"`` subspace overlap.
-        layers: keep only these attention layers: a regex on qualified module names, or a list of names.
-        spec: an `AttentionSpec` for models no built-in adapter knows.
-        log_images_every_n_steps: heatmaps and principal-angle histograms every this many steps
-            (default ``10 * every_n_steps``; 0 turns them off).
-        activations: capture the measured update's head outputs (covariance, effective heads).
-        max_tokens: at most this many tokens per layer per measured forward pass.
+        config: what to measure and how often (see `MonitorConfig`); updates ``k`` with
+            ``k % every_n_steps == 0`` are measured (``k = state.global_step`` after the update,
+            the step the Trainer logs that update's loss at).
+        detector: the early-warning detector of the HDI series: a configured
+            `SaturationDetector`, ``"default"`` (``SaturationDetector()``) or None (off). Each
+            ``trainer.train()`` gets an untouched copy.
+        activation_detector: the detector of the effective-heads series; ``"default"`` derives
+            it from ``detector`` (thresholds in heads), off when ``detector`` is None.
         measure_at_start: also measure the initial weights at step 0 (weights only).
         writer: a ``SummaryWriter`` to write to (share it with ``TensorBoardCallback(writer)``).
         log_dir: where to create a ``SummaryWriter`` when ``writer`` is None (see the module doc).
-        early_warning: run the saturation/collapse/redundancy detector.
-        patience, min_delta, warmup_steps, mode, collapse_delta, redundancy_threshold: the detector's
-            settings (see `SaturationDetector`).
-        on_saturation: ``"warn"``, ``"stop"`` (set ``control.should_training_stop`` on saturation or
-            collapse) or a callable receiving each `DiversityEvent`.
-        strict: raise internal errors instead of warning (for tests).
-        seed: seed of the callback's own random generator (token subsample); the global generators
-            are never used, so training is bit-identical with and without the callback.
+        **fields: `MonitorConfig` fields, applied over ``config``
+            (``HDITrainerCallback(every_n_steps=50, max_tokens=256)``). With
+            ``on_saturation="stop"``, ``control.should_training_stop`` is set on saturation or
+            collapse.
+
+    Raises:
+        TypeError: an unknown keyword (the message names the valid fields) or a wrong type.
+        ValueError: a bad setting.
     """
 
     def __init__(
         self,
-        every_n_steps: int = 100,
-        projections: Sequence[str] = PROJECTIONS,
-        weighting: str = "spectral",
-        layers: str | list[str] | None = None,
-        spec: AttentionSpec | None = None,
-        log_images_every_n_steps: int | None = None,
-        activations: bool = True,
-        max_tokens: int | None = 4096,
+        config: MonitorConfig | None = None,
+        *,
+        detector: DetectorArg = "default",
+        activation_detector: DetectorArg = "default",
         measure_at_start: bool = True,
         writer: Any = None,
         log_dir: str | os.PathLike[str] | None = None,
-        early_warning: bool = True,
-        patience: int = 10,
-        min_delta: float = 0.002,
-        warmup_steps: int = 1000,
-        mode: str = "max",
-        collapse_delta: float = 0.05,
-        redundancy_threshold: float = 0.9,
-        on_saturation: str | Callable[[DiversityEvent], Any] = "warn",
-        strict: bool = False,
-        seed: int = 0,
+        **fields: Any,
     ) -> None:
-        self._args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        self.settings = tracker_settings(
-            every_n_steps=every_n_steps,
-            projections=projections,
-            weighting=weighting,
-            layers=layers,
-            spec=spec,
-            log_images_every_n_steps=log_images_every_n_steps,
-            activations=activations,
-            max_tokens=max_tokens,
-            early_warning=early_warning,
-            patience=patience,
-            min_delta=min_delta,
-            warmup_steps=warmup_steps,
-            mode=mode,
-            collapse_delta=collapse_delta,
-            redundancy_threshold=redundancy_threshold,
-            on_saturation=on_saturation,
-            strict=strict,
-            seed=seed,
-        )
-        if not isinstance(measure_at_start, bool):
-            raise TypeError(f"measure_at_start must be True or False, got {measure_at_start!r}")
+        self.config = MonitorConfig.build(config, fields, owner="HDITrainerCallback")
+        self.detector = check_detector("detector", detector)
+        self.activation_detector = check_detector("activation_detector", activation_detector)
+        check_bool("measure_at_start", measure_at_start)
         if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
             raise TypeError(f"log_dir must be a path or None, got {type(log_dir).__name__}")
         if writer is not None and not callable(getattr(writer, "add_scalar", None)):
             raise TypeError(f"writer must be a torch.utils.tensorboard.SummaryWriter, got {type(writer).__name__}")
         if writer is not None and log_dir is not None:
             raise ValueError("give writer or log_dir, not both")
-        self.every_n_steps = every_n_steps
-        self.activations = self.settings["activations"]
+        # what the Trainer's callback restore rebuilds the callback from (the JSON-ready part)
+        self._args: dict[str, Any] = {
+            **self.config.to_dict(),
+            "detector": detector,  # kept when JSON-ready ("default", None), see state()
+            "activation_detector": activation_detector,
+            "measure_at_start": measure_at_start,
+            "log_dir": log_dir,
+        }
+        self.every_n_steps = self.config.every_n_steps
+        self.activations = self.config.activations
         self.measure_at_start = measure_at_start
         self.writer = writer
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
-        self.on_saturation = on_saturation
-        self.strict = self.settings["strict"]
+        self.on_saturation = self.config.on_saturation
+        self.strict = self.config.strict
         self.tracker: HDITracker | None = None
         self._own_writer: Any = None
         self._root_handles: list[Any] = []
@@ -213,7 +189,12 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
         if not isinstance(model, nn.Module):
             raise TypeError("HDITrainerCallback: the Trainer passed no model to on_train_begin")
         self.close()  # a second trainer.train() starts clean
-        tracker = HDITracker(model, **fresh_settings(self.settings))
+        tracker = HDITracker(
+            model,
+            self.config,
+            detector=copy.deepcopy(self.detector),  # untouched copies: runs never share detector state
+            activation_detector=copy.deepcopy(self.activation_detector),
+        )
         tracker.setup()  # raises now, before the first step, if the model cannot be watched
         restored = self._checkpoint_state(state)
         if restored is not None:
@@ -247,7 +228,7 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
             self._measuring = step if self.activations else None
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # backward is done and the weights are still those of the captured forward passes
+        # backward is done for every micro-batch (W_O was read at capture time): finish here
         self._finish(control)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

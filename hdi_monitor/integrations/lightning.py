@@ -6,14 +6,15 @@ step that ``self.log`` gives that batch's training loss. The weights are measure
 ``on_train_batch_start`` (the weights that produce that loss), head outputs are captured during
 that batch's forward pass (hooks come off in ``on_before_backward``, so a forward recomputed by
 gradient checkpointing is not counted twice), and results are computed and written in
-``on_before_optimizer_step``, while the weights are still those of the forward pass (or in
-``on_train_batch_end`` when no optimizer step happened).
+``on_before_optimizer_step``, once backward is done (or in ``on_train_batch_end`` when no
+optimizer step happened). The head-output statistics use the ``W_O`` of the forward pass, read
+when the head outputs are captured, so the optimizer step cannot change them.
 """
 
 from __future__ import annotations
 
+import copy
 import weakref
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -23,11 +24,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from hdi_monitor.models import PROJECTIONS, AttentionSpec
-from hdi_monitor.monitor.detector import DiversityEvent
 from hdi_monitor.models.sharding import contains_fsdp1
+from hdi_monitor.monitor.config import DetectorArg, MonitorConfig, check_detector
 from hdi_monitor.monitor.sinks import LoggerSink, Sink, TensorBoardSink
-from hdi_monitor.monitor.tracker import HDITracker, Measurement, fresh_settings, tracker_settings
+from hdi_monitor.monitor.tracker import HDITracker, Measurement
 
 __all__ = ["HDIMonitor"]
 
@@ -37,40 +37,36 @@ class HDIMonitor(Callback):
 
     Quick start::
 
-        from hdi_monitor import HDIMonitor
+        from hdi_monitor import HDIMonitor, SaturationDetector
         trainer = L.Trainer(callbacks=[HDIMonitor(every_n_steps=100)], logger=TensorBoardLogger("runs"))
+        # early-warning settings live on the detector (Lightning's EarlyStopping vocabulary)
+        HDIMonitor(every_n_steps=100, detector=SaturationDetector(patience=5, warmup_steps=500))
 
     Args:
-        every_n_steps: measure at optimizer steps ``0, N, 2N, ...``; nothing runs in between.
-        projections: any of ``"query"``, ``"key"``, ``"value"``, ``"output"``.
-        weighting: ``"spectral"`` (default, no SVD) or ``"uniform"`` subspace overlap.
-        layers: keep only these attention layers: a regex on qualified module names, or a list of names.
-        spec: an `AttentionSpec` for models no built-in adapter knows.
-        log_images_every_n_steps: overlap/correlation heatmaps and principal-angle histograms every
-            this many steps (default ``10 * every_n_steps``; 0 turns them off).
-        activations: capture the measured batch's head outputs (covariance, effective heads).
-        max_tokens: at most this many tokens per layer per measured batch (random subsample).
-        early_warning: run the saturation/collapse/redundancy detectors (see the README,
-            "Early warnings"). Effective heads are watched with thresholds in heads
-            (``hdi_monitor.monitor.tracker.ACTIVATION_MIN_DELTA``, ``ACTIVATION_COLLAPSE_DELTA``).
-        patience: measurements without improvement before saturation fires (10 measurements =
-            1,000 steps at ``every_n_steps=100``).
-        min_delta: smallest change in HDI that counts as improvement.
-        warmup_steps: no events before this optimizer step.
-        mode: ``"max"`` (rising HDI is improvement) or ``"min"``.
-        collapse_delta: a fall from the best value larger than this is a collapse.
-        redundancy_threshold: head pairs whose overlap (or output correlation) reaches this are redundant.
-        on_saturation: ``"warn"``, ``"stop"`` (stop training on saturation or collapse; every rank
-            agrees through the strategy's boolean reduction) or a callable receiving each event.
-        strict: raise internal errors instead of warning (for tests).
-        seed: seed of the monitor's own random generator (token subsample); the global generators
-            are never used, so training is bit-identical with and without the monitor.
+        config: what to measure and how often (see `MonitorConfig`); default ``MonitorConfig()``.
+        detector: the early-warning detector of the HDI series (saturation, collapse, redundant
+            pairs): a configured `SaturationDetector`, ``"default"`` (``SaturationDetector()``:
+            ``patience=10``, ``min_delta=0.002``, ``warmup_steps=1000``, ``collapse_delta=0.05``,
+            ``redundancy_threshold=0.9``) or None (no early warnings). Each new run gets an
+            untouched copy; the run's detector is `HDIMonitor.tracker`'s.
+        activation_detector: the detector of the effective-heads series, in heads;
+            ``"default"`` takes ``detector``'s ``patience``, ``warmup_steps`` and
+            ``redundancy_threshold`` with thresholds in heads
+            (``hdi_monitor.monitor.config.ACTIVATION_MIN_DELTA``, ``ACTIVATION_COLLAPSE_DELTA``),
+            and is off when ``detector`` is None.
         state_key: tells two monitors apart in a checkpoint.
+        **fields: `MonitorConfig` fields, applied over ``config`` (``every_n_steps``,
+            ``projections``, ``weighting``, ``layers``, ``spec``, ``log_images_every_n_steps``,
+            ``activations``, ``max_tokens``, ``on_saturation``, ``strict``, ``seed``):
+            ``HDIMonitor(every_n_steps=50)`` is ``HDIMonitor(MonitorConfig(every_n_steps=50))``.
+            With ``on_saturation="stop"`` training stops on saturation or collapse (every rank
+            agrees through the strategy's boolean reduction).
 
-    Every argument is checked here. What needs the model is checked in ``setup``, before the
-    first step: a model without a recognised attention layer, or a ``layers`` filter that matches
-    none, raises a ``ValueError`` naming the model's modules (training has not started, so nothing
-    is lost). Only failures during training become warnings.
+    Every argument is checked here; an unknown keyword raises TypeError naming the valid fields.
+    What needs the model is checked in ``setup``, before the first step: a model without a
+    recognised attention layer, or a ``layers`` filter that matches none, raises a ``ValueError``
+    naming the model's modules (training has not started, so nothing is lost). Only failures
+    during training become warnings.
 
     State: ``trainer.fit`` called again on the same Trainer continues the history and the
     early-warning detector (the step axis keeps increasing, as Lightning's does); a new Trainer
@@ -79,53 +75,29 @@ class HDIMonitor(Callback):
 
     def __init__(
         self,
-        every_n_steps: int = 100,
-        projections: Sequence[str] = PROJECTIONS,
-        weighting: str = "spectral",
-        layers: str | list[str] | None = None,
-        spec: AttentionSpec | None = None,
-        log_images_every_n_steps: int | None = None,
-        activations: bool = True,
-        max_tokens: int | None = 4096,
-        early_warning: bool = True,
-        patience: int = 10,
-        min_delta: float = 0.002,
-        warmup_steps: int = 1000,
-        mode: str = "max",
-        collapse_delta: float = 0.05,
-        redundancy_threshold: float = 0.9,
-        on_saturation: str | Callable[[DiversityEvent], Any] = "warn",
-        strict: bool = False,
-        seed: int = 0,
+        config: MonitorConfig | None = None,
+        *,
+        detector: DetectorArg = "default",
+        activation_detector: DetectorArg = "default",
         state_key: str | None = None,
+        **fields: Any,
     ) -> None:
         super().__init__()
         if state_key is not None and not isinstance(state_key, str):
             raise TypeError(f"state_key must be a string, got {type(state_key).__name__}")
-        self.settings = tracker_settings(
-            every_n_steps=every_n_steps,
-            projections=projections,
-            weighting=weighting,
-            layers=layers,
-            spec=spec,
-            log_images_every_n_steps=log_images_every_n_steps,
-            activations=activations,
-            max_tokens=max_tokens,
-            early_warning=early_warning,
-            patience=patience,
-            min_delta=min_delta,
-            warmup_steps=warmup_steps,
-            mode=mode,
-            collapse_delta=collapse_delta,
-            redundancy_threshold=redundancy_threshold,
-            on_saturation=on_saturation,
-            strict=strict,
-            seed=seed,
-        )
-        self.every_n_steps = every_n_steps
-        self.projections = self.settings["projections"]
-        self.on_saturation = on_saturation
-        self.strict = strict
+        if config is None:
+            # a literal MonitorConfig(**fields) call: LightningCLI (jsonargparse) reads the fields that
+            # **fields accepts from it, so YAML can give them as init_args of HDIMonitor
+            MonitorConfig.check_fields(fields, owner="HDIMonitor")
+            config = MonitorConfig(**fields)
+            fields = {}
+        self.config = MonitorConfig.build(config, fields, owner="HDIMonitor")
+        self.detector = check_detector("detector", detector)
+        self.activation_detector = check_detector("activation_detector", activation_detector)
+        self.every_n_steps = self.config.every_n_steps
+        self.projections = self.config.projections
+        self.on_saturation = self.config.on_saturation
+        self.strict = self.config.strict
         self._state_key = state_key
         self.tracker: HDITracker | None = None
         self._restored: dict[str, Any] | None = None
@@ -173,7 +145,14 @@ class HDIMonitor(Callback):
             assert self.tracker is not None
             self.tracker.sinks = sinks
         else:
-            self.tracker = HDITracker(pl_module, sinks=sinks, **fresh_settings(self.settings))
+            # untouched detector copies: two runs never share detector state
+            self.tracker = HDITracker(
+                pl_module,
+                self.config,
+                sinks=sinks,
+                detector=copy.deepcopy(self.detector),
+                activation_detector=copy.deepcopy(self.activation_detector),
+            )
             self._trainer = weakref.ref(trainer)
         if self._restored is not None:
             self.tracker.load_state_dict(self._restored)
@@ -196,7 +175,9 @@ class HDIMonitor(Callback):
             self.tracker.fsdp_root = root
         self.tracker.setup()  # discover again: parameters are configured and wrapped by the strategy
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.tracker is not None and not trainer.sanity_checking:
             self.tracker.begin(trainer.fit_loop.epoch_loop._batches_that_stepped, batch)
 
@@ -205,7 +186,7 @@ class HDIMonitor(Callback):
             self.tracker.stop_capture()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        # backward is done and the weights are still those of the forward pass: finish here
+        # backward is done (W_O was read at capture time): finish here
         self._finish(trainer)
 
     def on_train_batch_end(

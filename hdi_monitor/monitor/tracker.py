@@ -14,16 +14,17 @@ Two ways to drive it:
           with tracker.capture(batch):      # hooks on only if this step is measured
               loss = model(**batch).loss
           loss.backward()
-          tracker.step()                    # BEFORE optimizer.step(): finish, advance the step
+          tracker.step()                    # finish the measurement, advance the step
           optimizer.step(); optimizer.zero_grad()
 
 * **Explicit** (what the callbacks do): ``begin(step, batch)`` before the forward pass,
-  ``stop_capture()`` before backward, ``finish()`` after backward and before the optimizer step.
+  ``stop_capture()`` before backward, ``finish()`` any time after backward.
 
-``finish()`` must come before the optimizer changes the weights: the head-output covariance
-combines the captured head outputs with the output projection ``W_O`` read at that moment, and it
-must be the ``W_O`` that produced them (holding a copy of every layer's ``W_O`` instead would cost
-a full set of output weights of memory, and under FSDP would gather them all at once).
+``finish()`` may come before or after the optimizer step: the head-output accumulators combine
+each captured head output with the output projection ``W_O`` as it is in the forward pass, at
+capture time, so ``finish()`` reads no weight (it sums the accumulators over the ranks and makes
+one device-to-host transfer for every layer's statistics). The callbacks finish before the
+optimizer step, where backward is known to be done.
 
 A measured step ``s`` reports the weights that produced step ``s``'s forward pass (measured in
 ``begin``, before the optimizer changes them) and the activations of that forward pass, so the HDI
@@ -34,15 +35,15 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import copy
 import importlib.util
 import math
 import os
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -52,15 +53,11 @@ from hdi_monitor.exceptions import MonitoringWarning
 from hdi_monitor.functional._numerics import no_autocast
 from hdi_monitor.functional.covariance import (
     HeadCovarianceAccumulator,
+    compute_results,
     sync_accumulators,
 )
-from hdi_monitor.functional.diversity import WEIGHTINGS, pairwise_principal_angles
-from hdi_monitor.models import (
-    PROJECTIONS,
-    AttentionLayer,
-    AttentionSpec,
-    find_attention_layers,
-)
+from hdi_monitor.functional.diversity import pairwise_principal_angles
+from hdi_monitor.models import AttentionLayer, find_attention_layers
 from hdi_monitor.models.hooks import (
     attach_output_hooks,
     call_model,
@@ -68,33 +65,27 @@ from hdi_monitor.models.hooks import (
     iter_batches,
     output_accumulator,
 )
-from hdi_monitor.models.sharding import full_weights, gathers_weights, is_fsdp1_module
-from hdi_monitor.monitor.detector import (
-    DiversityEvent,
-    DiversityWarning,
-    SaturationDetector,
+from hdi_monitor.models.sharding import is_fsdp1_module
+from hdi_monitor.monitor.config import (
+    ACTIVATION_COLLAPSE_DELTA,
+    ACTIVATION_MIN_DELTA,
+    DetectorArg,
+    MonitorConfig,
+    resolve_detectors,
 )
+from hdi_monitor.monitor.detector import DiversityEvent, DiversityWarning
 from hdi_monitor.monitor.render import heatmap
 from hdi_monitor.monitor.sinks import Sink, TensorBoardSink, custom_scalars_layout
-from hdi_monitor.report import DiversityReport, compute_report
+from hdi_monitor.report import DiversityReport, compute_report, weight_groups
 
 __all__ = [
     "HDITracker",
     "Measurement",
+    "MonitorConfig",
     "MonitoringWarning",
-    "make_detectors",
-    "tracker_settings",
-    "fresh_settings",
     "ACTIVATION_MIN_DELTA",
     "ACTIVATION_COLLAPSE_DELTA",
 ]
-
-#: Effective-heads series: a rise of less than this many heads is no improvement.
-ACTIVATION_MIN_DELTA = 0.05
-#: Effective-heads series: losing more than this many effective heads from the best is a collapse.
-ACTIVATION_COLLAPSE_DELTA = 1.0
-
-EventAction = str | Callable[[DiversityEvent], Any]
 
 
 @dataclass
@@ -113,21 +104,6 @@ class _Pending:
     report: DiversityReport
     accumulators: list[HeadCovarianceAccumulator | None]
     forward_expected: bool = True  # False for weight-only measurements (step() without capture())
-
-
-def _check_positive_int(name: str, value: Any, *, allow_zero: bool = False) -> None:
-    low = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-
-
-def _finite(value: float | None) -> bool:
-    return value is not None and math.isfinite(value)
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 # ---------------------------------------------------------------- layer revalidation
@@ -171,7 +147,7 @@ def _naming_hint(model: nn.Module, limit: int = 10) -> str:
     names = [n for n, _ in model.named_modules() if n]
     likely = [n for n in names if re.search(r"attn|attention", n, re.IGNORECASE)]
     shown = (likely or names)[:limit]
-    more = ", ..." if len((likely or names)) > limit else ""
+    more = ", ..." if len(likely or names) > limit else ""
     return (
         f"\nModules of this model{' that look like attention' if likely else ''}: {', '.join(shown)}{more}. "
         "Select layers with layers=<regex or list of these names>, or describe a layout the built-in families "
@@ -183,7 +159,15 @@ def _naming_hint(model: nn.Module, limit: int = 10) -> str:
 # ---------------------------------------------------------------- warnings
 
 
-_INTERNAL_PACKAGES = ("hdi_monitor", "torch", "lightning", "lightning_fabric", "pytorch_lightning", "transformers", "accelerate")
+_INTERNAL_PACKAGES = (
+    "hdi_monitor",
+    "torch",
+    "lightning",
+    "lightning_fabric",
+    "pytorch_lightning",
+    "transformers",
+    "accelerate",
+)
 _internal_prefixes: tuple[str, ...] | None = None
 
 
@@ -210,7 +194,8 @@ def _warn(message: str, category: type[Warning], *, rank_zero_only: bool = False
     if rank_zero_only and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
     internal = _internal()
-    frame, level = sys._getframe(1), 2
+    frame: FrameType | None = sys._getframe(1)
+    level = 2
     while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
@@ -231,8 +216,10 @@ def summarize_events(step: int, events: Sequence[DiversityEvent]) -> str:
     redundant = [e for e in events if e.kind == "redundancy"]
     if redundant:
         pairs = sum(len(e.pairs) for e in redundant)
-        layers = len({e.layer for e in redundant})
-        parts.append(f"{pairs} redundant head pair{'s' if pairs != 1 else ''} in {layers} layer{'s' if layers != 1 else ''}")
+        count = len({e.layer for e in redundant})
+        parts.append(
+            f"{pairs} redundant head pair{'s' if pairs != 1 else ''} in {count} layer{'s' if count != 1 else ''}"
+        )
     return (
         f"hdi-monitor step {step}: {', '.join(parts)}; see the Text tab (diversity_events/*) or monitor.events "
         "for the full messages"
@@ -240,79 +227,51 @@ def summarize_events(step: int, events: Sequence[DiversityEvent]) -> str:
 
 
 class HDITracker:
-    """Measure head diversity every ``every_n_steps`` optimizer steps.
+    """Measure head diversity every ``config.every_n_steps`` optimizer steps.
 
     Args:
-        model: the model to watch (any ``nn.Module``; attention layers are found by the adapters).
-        every_n_steps: measure at steps ``0, N, 2N, ...``. Nothing runs on the steps in between.
-        projections: which of ``"query"``, ``"key"``, ``"value"``, ``"output"`` to measure.
-        weighting: ``"spectral"`` (default) or ``"uniform"`` subspace overlap.
-        layers: keep only these layers (a regex on qualified names, or a list of names).
-        spec: an `AttentionSpec` for models no built-in adapter knows.
-        log_images_every_n_steps: heatmaps and angle histograms every this many steps (a multiple of
-            ``every_n_steps`` is sensible). Default ``10 * every_n_steps``; 0 turns pictures off.
-        activations: also capture the measured step's head outputs (covariance, effective heads).
-        max_tokens: at most this many tokens per layer per measured forward pass (random subsample).
+        model: the model to watch (any ``nn.Module``; attention layers are found by discovery).
+        config: what to measure and how often (see `MonitorConfig`); default ``MonitorConfig()``.
         writer: a ``SummaryWriter``; shorthand for ``sinks=[TensorBoardSink(writer)]``.
         sinks: where results go (see `hdi_monitor.monitor.sinks`).
-        detector: early-warning detector for the HDI series; None turns those warnings off.
+        detector: early-warning detector for the HDI series: a `SaturationDetector` (used as
+            given: its events and state are the tracker's), ``"default"`` (``SaturationDetector()``)
+            or None (the default here: no HDI early warnings; the callbacks default to
+            ``"default"``).
         activation_detector: early-warning detector for the effective-heads series (thresholds in
-            heads) and for redundant head pairs by output correlation; None turns them off.
-        on_saturation: ``"warn"`` (a `DiversityWarning` per event), ``"stop"`` (warn, and set
-            `stop_requested` on saturation or collapse), or a callable receiving each event.
-        strict: raise internal errors instead of turning them into warnings (for tests).
-        seed: seed of the tracker's own ``torch.Generator``, which draws the token subsample
-            (``max_tokens``). The global random generators are never used, so adding the tracker
-            changes no dropout mask; the generator's state is saved in `state_dict`, so a
-            resumed run subsamples the same tokens as an uninterrupted one.
+            heads) and for redundant head pairs by output correlation; ``"default"`` derives it
+            from ``detector`` (see `resolve_detectors`), None (the default here) turns it off.
         fsdp_root: for FSDP1 (``FullyShardedDataParallel``) models, the root FSDP module, when
             ``model`` is not that root itself (it defaults to ``model`` when ``model`` is an FSDP1
             module). Weights are then read one FSDP unit at a time (see
             `full_weights`). The Lightning callback sets it to
             ``trainer.strategy.model``. Can also be set later through the attribute.
+        **fields: `MonitorConfig` fields, applied over ``config``:
+            ``HDITracker(model, every_n_steps=50)`` is ``HDITracker(model, MonitorConfig(every_n_steps=50))``.
+
+    Raises:
+        TypeError: an unknown keyword (the message names the valid fields), or a wrong type.
+        ValueError: a bad setting (checked by `MonitorConfig`).
     """
 
     def __init__(
         self,
         model: nn.Module,
+        config: MonitorConfig | None = None,
         *,
-        every_n_steps: int = 100,
-        projections: Sequence[str] = PROJECTIONS,
-        weighting: str = "spectral",
-        layers: str | Sequence[str] | None = None,
-        spec: AttentionSpec | None = None,
-        log_images_every_n_steps: int | None = None,
-        activations: bool = True,
-        max_tokens: int | None = 4096,
         writer: Any = None,
         sinks: Sequence[Sink] = (),
-        detector: SaturationDetector | None = None,
-        activation_detector: SaturationDetector | None = None,
-        on_saturation: EventAction = "warn",
-        strict: bool = False,
-        seed: int = 0,
+        detector: DetectorArg = None,
+        activation_detector: DetectorArg = None,
         fsdp_root: nn.Module | None = None,
+        **fields: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if fsdp_root is not None and not isinstance(fsdp_root, nn.Module):
             raise TypeError(f"fsdp_root must be a torch.nn.Module or None, got {type(fsdp_root).__name__}")
-        validate_settings(
-            every_n_steps=every_n_steps,
-            projections=projections,
-            weighting=weighting,
-            layers=layers,
-            spec=spec,
-            log_images_every_n_steps=log_images_every_n_steps,
-            activations=activations,
-            max_tokens=max_tokens,
-            on_saturation=on_saturation,
-            strict=strict,
-            seed=seed,
-        )
-        for name, value in (("detector", detector), ("activation_detector", activation_detector)):
-            if value is not None and not isinstance(value, SaturationDetector):
-                raise TypeError(f"{name} must be a SaturationDetector or None, got {type(value).__name__}")
+        config = MonitorConfig.build(config, fields, owner="HDITracker")
+        detectors = resolve_detectors(detector, activation_detector, activations=config.activations)
         if isinstance(sinks, (str, bytes)) or not isinstance(sinks, Sequence):
             raise TypeError(f"sinks must be a sequence of sinks, got {type(sinks).__name__}")
         for sink in sinks:
@@ -322,26 +281,24 @@ class HDITracker:
                     f"got {type(sink).__name__}"
                 )
         self.model = model
-        self.every_n_steps = every_n_steps
-        self.projections = tuple(projections)
-        self.weighting = weighting
-        self.layer_filter = layers
-        self.spec = spec
-        self.log_images_every_n_steps = (
-            10 * every_n_steps if log_images_every_n_steps is None else log_images_every_n_steps
-        )
-        self.activations = activations
-        self.max_tokens = max_tokens
-        self.seed = seed
+        self.config = config
+        self.every_n_steps = config.every_n_steps
+        self.projections: tuple[str, ...] = config.projections
+        self.weighting = config.weighting
+        self.layer_filter = config.layers
+        self.spec = config.spec
+        self.log_images_every_n_steps = config.image_every_n_steps
+        self.activations = config.activations  # turned off by the torch.compile fallback
+        self.max_tokens = config.max_tokens
+        self.seed = config.seed
         # private RNG for the token subsample: the global generators are never drawn from
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self.sinks: list[Sink] = list(sinks)
         if writer is not None:
             self.sinks.append(TensorBoardSink(writer))
-        self.detector = detector
-        self.activation_detector = activation_detector
-        self.on_saturation = on_saturation
-        self.strict = strict
+        self.detector, self.activation_detector = detectors
+        self.on_saturation = config.on_saturation
+        self.strict = config.strict
         if fsdp_root is None and is_fsdp1_module(model):
             fsdp_root = model
         self.fsdp_root: nn.Module | None = fsdp_root
@@ -384,7 +341,9 @@ class HDITracker:
         try:
             found = find_attention_layers(self.model, spec=self.spec, layers=self.layer_filter)
         except ValueError as err:
-            raise ValueError(f"hdi-monitor cannot watch {type(self.model).__name__}: {err}{_naming_hint(self.model)}") from err
+            raise ValueError(
+                f"hdi-monitor cannot watch {type(self.model).__name__}: {err}{_naming_hint(self.model)}"
+            ) from err
         self._set_layers(found)
         return found
 
@@ -398,7 +357,8 @@ class HDITracker:
         parameter shapes; if not, rediscover once and note what changed (one MonitoringWarning)."""
         layers = self.layers
         stale = [
-            la for la, sig in zip(layers, self._signatures)
+            la
+            for la, sig in zip(layers, self._signatures, strict=True)
             if sig[0] is None or _signature(_submodule(self.model, sig[0]), sig[0]) != sig
         ]
         if not stale:
@@ -460,7 +420,10 @@ class HDITracker:
         with self._guard("measuring weights"), no_autocast():
             layers = self._revalidate()
             report = compute_report(
-                layers, projections=self.projections, weighting=self.weighting, fsdp_root=self.fsdp_root
+                layers,
+                projections=self.config.projections,
+                weighting=self.weighting,
+                fsdp_root=self.fsdp_root,
             )
             accs: list[HeadCovarianceAccumulator | None] = [None] * len(layers)
             if self.activations:
@@ -488,7 +451,7 @@ class HDITracker:
             return None  # not a measured step: no collective, no host sync
         pending, self._pending = self._pending, None
         self._scheduled = None
-        if not _all_ranks_agree(pending is not None):
+        if not _all_ranks_agree(pending is not None) or pending is None:
             # some rank failed earlier in this measurement: every rank drops it, so none waits
             # in a collective that the others never reach
             return None
@@ -519,12 +482,13 @@ class HDITracker:
             self.stop_capture()
 
     def step(self) -> Measurement | None:
-        """Call once per optimizer step in a plain loop, after ``backward()`` and before ``optimizer.step()``.
+        """Call once per optimizer step in a plain loop, after ``backward()``.
 
-        Finishes the current step's measurement (weights only if `capture` was not used) and
-        advances the step counter. Returns the measurement of the step just finished, if any.
-        Called after ``optimizer.step()`` instead, the HDI points are still right (weights are read
-        in `capture`), but the effective heads mix the new ``W_O`` with the old head outputs.
+        Finishes the current step's measurement and advances the step counter. Returns the
+        measurement of the step just finished, if any. With `capture`, the weights and ``W_O``
+        were read in the forward pass, so ``step()`` may come before or after
+        ``optimizer.step()``. Without `capture` the step is measured from the weights only, read
+        here: call it before ``optimizer.step()`` so they are the weights of this step's forward.
         """
         if self._scheduled != self._step:
             self.begin(self._step)  # weights-only measurement when capture() was not used
@@ -623,27 +587,30 @@ class HDITracker:
         )
 
     def _gather_statistics(self, pending: _Pending, errors: list[Exception]) -> None:
-        """Sum the accumulators over the ranks, then compute each layer's head-output statistics."""
+        """Sum the accumulators over the ranks, then compute every layer's head-output statistics
+        with one device-to-host transfer for all of them (no weight is read: the accumulators took
+        ``W_O`` at capture time)."""
         self.last_token_counts = []
         if not self.activations:
             return
-        accs = [(layer, acc, entry) for layer, acc, entry in zip(self.layers, pending.accumulators, pending.report.layers) if acc is not None]
-        sync_accumulators([acc for _, acc, _ in accs])  # collectives first: two for all layers
-        self.last_token_counts = [acc.num_tokens for _, acc, _ in accs]
-        for layer, acc, entry in accs:
-            with full_weights(layer, self.fsdp_root):  # the W_O of the forward pass, one layer at a time
-                w_out = layer.head_weights("output")  # a gather under FSDP2: on every rank
-                result = None
-                if not errors and acc.num_tokens >= 2:
-                    try:
-                        result = acc.compute()
-                    except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
-                        errors.append(err)
-                del w_out  # free the gathered weight before the next layer's
+        pairs = [
+            (acc, entry)
+            for acc, entry in zip(pending.accumulators, pending.report.layers, strict=True)
+            if acc is not None
+        ]
+        accs = [acc for acc, _ in pairs]
+        sync_accumulators(accs)  # collectives first: two for all layers
+        results: list[Any] = [None] * len(accs)
+        try:
+            results = compute_results(accs, min_tokens=2)  # caches every token count on the host
+        except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
+            errors.append(err)
+        self.last_token_counts = [acc.num_tokens for acc in accs]
+        for (_, entry), result in zip(pairs, results, strict=True):
             if result is None:
                 continue
-            entry.covariance = result.covariance.cpu()
-            entry.correlation = result.correlation.cpu()
+            entry.covariance = result.covariance
+            entry.correlation = result.correlation
             entry.effective_heads = result.effective_heads
             entry.mean_correlation = result.mean_correlation
             entry.variance_ratio = result.variance_ratio
@@ -709,7 +676,7 @@ class HDITracker:
 
     def _compile_fallback(self) -> None:
         """Hooks did not run inside a torch.compile'd forward: warn once, go on with weights only."""
-        missed = [la.name for la, n in zip(self.layers, self.last_token_counts) if n == 0]
+        missed = [la.name for la, n in zip(self.layers, self.last_token_counts, strict=False) if n == 0]
         shown = ", ".join(missed[:3]) + (", ..." if len(missed) > 3 else "")
         self.activations = False
         _warn(
@@ -727,16 +694,18 @@ class HDITracker:
             chance, cap = [], []
             for layer in report.layers:
                 # on every measured step, so a dead or NaN head is never silent (0 when none)
-                scalars[f"invalid_heads/{projection}/{layer.name}"] = float(len(layer.invalid_heads.get(projection) or []))
+                scalars[f"invalid_heads/{projection}/{layer.name}"] = float(
+                    len(layer.invalid_heads.get(projection) or [])
+                )
                 value = layer.hdi.get(projection)
-                if _finite(value):
-                    scalars[f"hdi/{projection}/{layer.name}"] = float(value)
+                if value is not None and math.isfinite(value):
+                    scalars[f"hdi/{projection}/{layer.name}"] = value
                     chance.append(layer.chance_hdi[projection])
-                    if layer.max_hdi.get(projection) is not None:
-                        cap.append(layer.max_hdi[projection])
+                    if (top := layer.max_hdi.get(projection)) is not None:
+                        cap.append(top)
             mean = report.mean_hdi(projection)
-            if _finite(mean):
-                scalars[f"hdi/{projection}/mean"] = float(mean)
+            if mean is not None and math.isfinite(mean):
+                scalars[f"hdi/{projection}/mean"] = mean
             if chance:
                 scalars[f"hdi_chance/{projection}"] = float(sum(chance) / len(chance))
             if cap:
@@ -744,12 +713,12 @@ class HDITracker:
         if self.activations:
             eff, corr = [], []
             for layer in report.layers:
-                if _finite(layer.effective_heads):
-                    scalars[f"effective_heads/{layer.name}"] = float(layer.effective_heads)
-                    eff.append(float(layer.effective_heads))
-                if _finite(layer.mean_correlation):
-                    scalars[f"head_correlation/{layer.name}"] = float(layer.mean_correlation)
-                    corr.append(float(layer.mean_correlation))
+                if (heads := layer.effective_heads) is not None and math.isfinite(heads):
+                    scalars[f"effective_heads/{layer.name}"] = float(heads)
+                    eff.append(float(heads))
+                if (r := layer.mean_correlation) is not None and math.isfinite(r):
+                    scalars[f"head_correlation/{layer.name}"] = float(r)
+                    corr.append(float(r))
             if eff:
                 scalars["effective_heads/mean"] = sum(eff) / len(eff)
             if corr:
@@ -809,43 +778,23 @@ class HDITracker:
 
     def _angles(self, errors: list[Exception]) -> dict[str, Tensor]:
         """Principal angles (degrees) of every head pair i < j of every layer, per projection;
-        batched over the layers of one shape.
-
-        Sharded layers (FSDP1 / FSDP2) are gathered once for all projections and reduced one layer
-        at a time, in the same order on every rank. Local failures go to ``errors`` (the gathers
-        still run, so the ranks stay in step)."""
-
-        def pair_angles(weights: list[Tensor]) -> Tensor | None:
-            if errors:
-                return None
+        batched over the layers of one shape by `weight_groups` (the traversal of
+        `compute_report`: sharded layers gathered one at a time, in the same order on every rank).
+        Local failures go to ``errors`` (the gathers still run, so the ranks stay in step)."""
+        values: dict[str, list[Tensor]] = {p: [] for p in self.projections}
+        for projection, _, weights in weight_groups(self.layers, self.projections, fsdp_root=self.fsdp_root):
+            if errors or weights.shape[1] < 2:
+                continue
             try:
-                angles = pairwise_principal_angles(torch.stack(weights))  # (L, H, H, d)
+                angles = pairwise_principal_angles(weights)  # (L, H, H, d)
                 h = angles.shape[1]
                 i, j = torch.triu_indices(h, h, offset=1, device=angles.device)
                 picked = angles[:, i, j].flatten()
-                return torch.rad2deg(picked[~torch.isnan(picked)]).float().cpu()
+                values[projection].append(torch.rad2deg(picked[~torch.isnan(picked)]).float().cpu())
             except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
                 errors.append(err)
-                return None
-
-        values: dict[str, list[Tensor | None]] = {p: [] for p in self.projections}
-        groups: dict[tuple, list[Tensor]] = {}
-        for layer in self.layers:
-            if gathers_weights(layer, self.fsdp_root):
-                with full_weights(layer, self.fsdp_root):
-                    for projection in self.projections:
-                        w = layer.head_weights(projection)  # a gather: on every rank
-                        if w.shape[0] >= 2:
-                            values[projection].append(pair_angles([w]))
-                        del w
-                continue
-            for projection in self.projections:
-                w = layer.head_weights(projection)
-                if w.shape[0] >= 2:
-                    groups.setdefault((projection, tuple(w.shape), w.dtype, w.device), []).append(w)
-        for key, weights in groups.items():
-            values[key[0]].append(pair_angles(weights))
-        return {p: torch.cat([v for v in vs if v is not None] or [torch.empty(0)]) for p, vs in values.items()}
+            del weights  # a gathered layer is freed before the next one
+        return {p: torch.cat(vs or [torch.empty(0)]) for p, vs in values.items()}
 
     def _write(self, m: Measurement, images: dict[str, Tensor], histograms: dict[str, Tensor]) -> None:
         """Write to every sink, each guarded alone: a failing sink loses only its own write."""
@@ -895,170 +844,6 @@ class HDITracker:
             self.stop_requested = True
         message = events[0].message if len(events) == 1 else summarize_events(step, events)
         _warn(message, DiversityWarning, rank_zero_only=True)
-
-
-def make_detectors(
-    *,
-    early_warning: bool,
-    activations: bool,
-    patience: int,
-    min_delta: float,
-    warmup_steps: int,
-    mode: str,
-    collapse_delta: float,
-    redundancy_threshold: float,
-) -> tuple[SaturationDetector | None, SaturationDetector | None]:
-    """The HDI detector and the effective-heads detector that the integrations share.
-
-    Effective heads are counted in heads, so their detector takes its thresholds in heads
-    (`ACTIVATION_MIN_DELTA`, `ACTIVATION_COLLAPSE_DELTA`); everything else is shared.
-    """
-    if not early_warning:
-        return None, None
-    if mode != "max":  # the detector dropped mode (issue 14); r1's detector= argument replaces this
-        raise ValueError(f"mode must be 'max' (higher is better for every metric watched), got {mode!r}")
-    common = {"patience": patience, "warmup_steps": warmup_steps, "redundancy_threshold": redundancy_threshold}
-    detector = SaturationDetector(min_delta=min_delta, collapse_delta=collapse_delta, **common)
-    activation_detector = None
-    if activations:
-        activation_detector = SaturationDetector(
-            min_delta=ACTIVATION_MIN_DELTA, collapse_delta=ACTIVATION_COLLAPSE_DELTA, **common
-        )
-    return detector, activation_detector
-
-
-def tracker_settings(
-    *,
-    every_n_steps: int,
-    projections: Sequence[str],
-    weighting: str,
-    layers: str | Sequence[str] | None,
-    spec: AttentionSpec | None,
-    log_images_every_n_steps: int | None,
-    activations: bool,
-    max_tokens: int | None,
-    early_warning: bool,
-    patience: int,
-    min_delta: float,
-    warmup_steps: int,
-    mode: str,
-    collapse_delta: float,
-    redundancy_threshold: float,
-    on_saturation: EventAction,
-    strict: bool,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """Validate an integration's settings and turn them into `HDITracker` keyword arguments.
-
-    The Lightning and Hugging Face callbacks call this in ``__init__`` (so bad values fail early)
-    and later build their tracker as ``HDITracker(model, sinks=..., **settings)``.
-    """
-    validate_settings(
-        every_n_steps=every_n_steps,
-        projections=projections,
-        weighting=weighting,
-        layers=layers,
-        spec=spec,
-        log_images_every_n_steps=log_images_every_n_steps,
-        activations=activations,
-        max_tokens=max_tokens,
-        on_saturation=on_saturation,
-        strict=strict,
-        seed=seed,
-    )
-    _check_bool("early_warning", early_warning)
-    # built even with early_warning=False, so that bad detector settings fail here too
-    detector, activation_detector = make_detectors(
-        early_warning=True,
-        activations=activations,
-        patience=patience,
-        min_delta=min_delta,
-        warmup_steps=warmup_steps,
-        mode=mode,
-        collapse_delta=collapse_delta,
-        redundancy_threshold=redundancy_threshold,
-    )
-    if not early_warning:
-        detector = activation_detector = None
-    return {
-        "every_n_steps": every_n_steps,
-        "projections": tuple(projections),
-        "weighting": weighting,
-        "layers": layers,
-        "spec": spec,
-        "log_images_every_n_steps": log_images_every_n_steps,
-        "activations": activations,
-        "max_tokens": max_tokens,
-        "detector": detector,
-        "activation_detector": activation_detector,
-        "on_saturation": on_saturation,
-        "strict": strict,
-        "seed": seed,
-    }
-
-
-def fresh_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """``settings`` from `tracker_settings` with detectors of their own (untouched copies), for a
-    new tracker: two trackers built from the same settings never share detector state."""
-    out = dict(settings)
-    for key in ("detector", "activation_detector"):
-        out[key] = copy.deepcopy(settings.get(key))
-    return out
-
-
-def validate_settings(
-    *,
-    every_n_steps: int,
-    projections: Sequence[str],
-    weighting: str,
-    layers: str | Sequence[str] | None = None,
-    spec: AttentionSpec | None = None,
-    log_images_every_n_steps: int | None,
-    activations: bool = True,
-    max_tokens: int | None,
-    on_saturation: EventAction,
-    strict: bool = False,
-    seed: int = 0,
-) -> None:
-    """Check the tracker's settings (the one place that does); the integrations call it through
-    `tracker_settings` in their ``__init__``, so every bad value fails there, before fit.
-    What needs the model (a layer found, a ``layers`` filter matching) is checked by
-    `HDITracker.setup`."""
-    _check_positive_int("every_n_steps", every_n_steps)
-    if isinstance(projections, str) or not isinstance(projections, Sequence) or not projections:
-        raise ValueError(f"projections must be a non-empty sequence drawn from {PROJECTIONS}, got {projections!r}")
-    unknown = [p for p in projections if p not in PROJECTIONS]
-    if unknown:
-        raise ValueError(f"unknown projection(s) {unknown}; choose from {PROJECTIONS}")
-    if len(set(projections)) != len(projections):
-        raise ValueError(f"projections has duplicates: {list(projections)}")
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-    if log_images_every_n_steps is not None:
-        _check_positive_int("log_images_every_n_steps", log_images_every_n_steps, allow_zero=True)
-    if max_tokens is not None:
-        _check_positive_int("max_tokens", max_tokens)
-    if not callable(on_saturation) and on_saturation not in ("warn", "stop"):
-        raise ValueError(f"on_saturation must be 'warn', 'stop' or a callable, got {on_saturation!r}")
-    if isinstance(layers, str):
-        try:
-            re.compile(layers)
-        except re.error as exc:
-            raise ValueError(f"layers is not a valid regex: {layers!r} ({exc})") from exc
-    elif layers is not None:
-        if not isinstance(layers, Sequence) or not all(isinstance(n, str) for n in layers):
-            raise TypeError("layers must be a regex string or a sequence of qualified layer names")
-        if not layers:
-            raise ValueError("layers=[] selects no attention layer; give None to watch every layer")
-    if spec is not None and not isinstance(spec, AttentionSpec):
-        raise TypeError(
-            f"spec must be an AttentionSpec or None, got {type(spec).__name__} {spec!r}; families are found "
-            "without one, a spec describes a layout they do not know"
-        )
-    _check_bool("activations", activations)
-    _check_bool("strict", strict)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
 
 
 def _is_compiled(model: nn.Module) -> bool:

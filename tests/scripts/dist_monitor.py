@@ -104,12 +104,11 @@ def _fault_due(where: str) -> bool:
 
 def _install_faults() -> None:
     """Wrap the monitor's weight measurement and head-output hook so they raise when due."""
-    import hdi_monitor.functional.covariance as covariance
     import hdi_monitor.models.hooks as capture
     import hdi_monitor.monitor.tracker as tracker
 
     real_report, real_output = tracker.compute_report, capture._on_output
-    real_compute = covariance.HeadCovarianceAccumulator.compute
+    real_compute = tracker.compute_results
 
     def compute_report(*args: Any, **kwargs: Any):
         if _fault_due("report"):
@@ -121,14 +120,14 @@ def _install_faults() -> None:
             raise RuntimeError(f"injected failure in the head-output hook on rank {_FAULT['me']}")
         real_output(*args, **kwargs)
 
-    def compute(self, *args: Any, **kwargs: Any):
+    def compute(*args: Any, **kwargs: Any):
         if _fault_due("compute"):
             raise RuntimeError(f"injected failure in the covariance computation on rank {_FAULT['me']}")
-        return real_compute(self, *args, **kwargs)
+        return real_compute(*args, **kwargs)
 
     tracker.compute_report = compute_report
     capture._on_output = on_output
-    covariance.HeadCovarianceAccumulator.compute = compute
+    tracker.compute_results = compute
 
 
 def _fault_clock():
@@ -243,7 +242,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         every_n_steps=args.every,
         log_images_every_n_steps=0,
         max_tokens=None,
-        early_warning=False,
+        detector=None,
         strict=False,
     )
     trainer = pl.Trainer(

@@ -1,0 +1,216 @@
+"""`MonitorConfig`: the one settings object of the tracker and the integrations.
+
+`HDITracker`, the Lightning `HDIMonitor` and the Hugging Face `HDITrainerCallback` all take a
+`MonitorConfig`, or its fields as keyword arguments (``HDIMonitor(every_n_steps=50)`` is
+``HDIMonitor(MonitorConfig(every_n_steps=50))``), so a setting is declared, defaulted, documented
+and checked here only. The early-warning detectors are not settings but stateful objects: they
+are passed beside the config as ``detector=`` / ``activation_detector=`` (see `resolve_detectors`).
+
+Adding a setting: add the field (with its type, default and a line in the docstring) and its
+check in `MonitorConfig.__post_init__`; the integrations forward it without naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hdi_monitor._validation import check_bool, check_choice, check_choices, check_int, check_regex
+from hdi_monitor.functional.diversity import Weighting
+from hdi_monitor.models import PROJECTIONS, AttentionSpec
+from hdi_monitor.monitor.detector import DiversityEvent, SaturationDetector
+from hdi_monitor.report import Projection
+
+__all__ = [
+    "ACTIVATION_COLLAPSE_DELTA",
+    "ACTIVATION_MIN_DELTA",
+    "DetectorArg",
+    "EventAction",
+    "MonitorConfig",
+    "check_detector",
+    "resolve_detectors",
+]
+
+#: Effective-heads series: a rise of less than this many heads is no improvement.
+ACTIVATION_MIN_DELTA = 0.05
+#: Effective-heads series: losing more than this many effective heads from the best is a collapse.
+ACTIVATION_COLLAPSE_DELTA = 1.0
+
+#: What a measured step's early-warning events trigger.
+EventAction = Literal["warn", "stop"] | Callable[[DiversityEvent], Any]
+#: A detector argument: a configured detector, None (off), or ``"default"``.
+DetectorArg = SaturationDetector | Literal["default"] | None
+
+# the six settings that used to be loose callback arguments: a pointed message for them
+_DETECTOR_SETTINGS = ("patience", "min_delta", "warmup_steps", "mode", "collapse_delta", "redundancy_threshold")
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """What to measure and how often: the settings shared by `HDITracker`, `HDIMonitor` and
+    `HDITrainerCallback`. Every field is checked once, here, when the config is made, so a bad
+    value fails before training starts.
+
+    Args:
+        every_n_steps: measure at optimizer steps ``0, N, 2N, ...``; nothing runs in between.
+        projections: which of ``"query"``, ``"key"``, ``"value"``, ``"output"`` to measure (all
+            four by default).
+        weighting: ``"spectral"`` (default, no SVD) or ``"uniform"`` subspace overlap.
+        layers: keep only these attention layers: a regex searched in the qualified module names,
+            or a sequence of exact names. None watches every layer.
+        spec: an `AttentionSpec` for models no built-in family knows.
+        log_images_every_n_steps: overlap/correlation heatmaps and principal-angle histograms every
+            this many steps (default ``10 * every_n_steps``; 0 turns them off).
+        activations: also capture the measured step's head outputs (covariance, effective heads).
+        max_tokens: at most this many tokens per layer per measured forward pass (a random
+            subsample drawn with the monitor's own generator); None keeps every token.
+        on_saturation: ``"warn"`` (one `DiversityWarning` per measured step with events),
+            ``"stop"`` (warn, and stop training on saturation or collapse) or a callable that
+            receives each `DiversityEvent`.
+        strict: raise internal errors instead of turning them into warnings (for tests).
+        seed: seed of the monitor's own ``torch.Generator`` (the token subsample). The global
+            generators are never drawn from, so training is bit-identical with and without the
+            monitor; the generator state is saved with the monitor's state for resume.
+
+    What needs the model (an attention layer found, a ``layers`` filter that matches) is checked
+    when the tracker is set up, before the first step.
+    """
+
+    every_n_steps: int = 100
+    projections: tuple[Projection, ...] = PROJECTIONS  # type: ignore[assignment]
+    weighting: Weighting = "spectral"
+    layers: str | tuple[str, ...] | None = None
+    spec: AttentionSpec | None = None
+    log_images_every_n_steps: int | None = None
+    activations: bool = True
+    max_tokens: int | None = 4096
+    on_saturation: EventAction = "warn"
+    strict: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("every_n_steps", self.every_n_steps)
+        object.__setattr__(self, "projections", check_choices("projections", self.projections, PROJECTIONS))
+        check_choice("weighting", self.weighting, Weighting)
+        object.__setattr__(self, "layers", _check_layers(self.layers))
+        if self.spec is not None and not isinstance(self.spec, AttentionSpec):
+            raise TypeError(
+                f"spec must be an AttentionSpec or None, got {type(self.spec).__name__} {self.spec!r}; families are "
+                "found without one, a spec describes a layout they do not know"
+            )
+        if self.log_images_every_n_steps is not None:
+            check_int("log_images_every_n_steps", self.log_images_every_n_steps, low=0)
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens)
+        if not callable(self.on_saturation) and self.on_saturation not in ("warn", "stop"):
+            raise ValueError(f"on_saturation must be 'warn', 'stop' or a callable, got {self.on_saturation!r}")
+        check_bool("activations", self.activations)
+        check_bool("strict", self.strict)
+        check_int("seed", self.seed, low=0)
+
+    @property
+    def image_every_n_steps(self) -> int:
+        """``log_images_every_n_steps`` with its default filled in (``10 * every_n_steps``)."""
+        return 10 * self.every_n_steps if self.log_images_every_n_steps is None else self.log_images_every_n_steps
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The names of the fields, in order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def check_fields(cls, fields: Mapping[str, Any], *, owner: str) -> None:
+        """TypeError naming the valid fields if ``fields`` (keyword arguments of ``owner``) holds a
+        name that is not a field; the six former detector arguments get a pointed hint."""
+        unknown = [k for k in fields if k not in cls.field_names()]
+        if not unknown:
+            return
+        hint = ""
+        detector = [k for k in unknown if k in _DETECTOR_SETTINGS]
+        if detector:
+            settings = ", ".join(f"{k}=..." for k in detector)
+            hint = f"; {', '.join(detector)} configure the detector: pass detector=SaturationDetector({settings})"
+        if "early_warning" in unknown:
+            hint += "; early_warning=False is detector=None"
+        raise TypeError(
+            f"{owner} got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the settings are "
+            f"{', '.join(cls.field_names())}{hint}"
+        )
+
+    @classmethod
+    def build(cls, config: MonitorConfig | None, fields: Mapping[str, Any], *, owner: str) -> MonitorConfig:
+        """``config`` with ``fields`` (keyword arguments of ``owner``) applied over it; the default
+        config when both are empty. Unknown names raise TypeError naming the valid fields."""
+        if config is not None and not isinstance(config, MonitorConfig):
+            raise TypeError(f"config must be a MonitorConfig or None, got {type(config).__name__}")
+        cls.check_fields(fields, owner=owner)
+        if config is None:
+            return cls(**fields)
+        return dataclasses.replace(config, **fields) if fields else config
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict (``projections`` and ``layers`` as lists; ``spec`` and a callable
+        ``on_saturation`` as they are)."""
+        out = {f: getattr(self, f) for f in self.field_names()}
+        out["projections"] = list(self.projections)
+        if isinstance(self.layers, tuple):
+            out["layers"] = list(self.layers)
+        return out
+
+
+def _check_layers(layers: Any) -> str | tuple[str, ...] | None:
+    if layers is None:
+        return None
+    if isinstance(layers, str):
+        check_regex("layers", layers)
+        return layers
+    if not isinstance(layers, Sequence) or not all(isinstance(n, str) for n in layers):
+        raise TypeError("layers must be a regex string or a sequence of qualified layer names")
+    if not layers:
+        raise ValueError("layers=[] selects no attention layer; give None to watch every layer")
+    return tuple(layers)
+
+
+def check_detector(name: str, value: Any) -> Any:
+    """``value`` if it is a `SaturationDetector`, ``"default"`` or None, else TypeError."""
+    if (
+        value is not None
+        and not isinstance(value, SaturationDetector)
+        and not (isinstance(value, str) and value == "default")
+    ):
+        raise TypeError(f"{name} must be a SaturationDetector, 'default' or None, got {type(value).__name__} {value!r}")
+    return value
+
+
+def resolve_detectors(
+    detector: DetectorArg, activation_detector: DetectorArg, *, activations: bool = True
+) -> tuple[SaturationDetector | None, SaturationDetector | None]:
+    """The two detectors a tracker uses, from its ``detector`` arguments (given objects are used
+    as they are, not copied).
+
+    * ``detector`` watches the HDI series. ``"default"`` is ``SaturationDetector()`` (the
+      defaults of Lightning's EarlyStopping vocabulary: ``patience=10``, ``min_delta=0.002``,
+      ``warmup_steps=1000``, ...); None turns HDI early warnings off.
+    * ``activation_detector`` watches the effective-heads series (counted in heads) and redundant
+      head pairs by output correlation. ``"default"`` derives it from the HDI detector: the same
+      ``patience``, ``warmup_steps`` and ``redundancy_threshold``, with the thresholds in heads
+      (`ACTIVATION_MIN_DELTA`, `ACTIVATION_COLLAPSE_DELTA`); it is None when ``detector`` is None
+      or ``activations`` is off. Pass a `SaturationDetector` to configure it on its own.
+    """
+    check_detector("detector", detector)
+    check_detector("activation_detector", activation_detector)
+    hdi = SaturationDetector() if isinstance(detector, str) else detector
+    if not isinstance(activation_detector, str):
+        return hdi, activation_detector
+    if hdi is None or not activations:
+        return hdi, None
+    act = SaturationDetector(
+        patience=hdi.patience,
+        warmup_steps=hdi.warmup_steps,
+        redundancy_threshold=hdi.redundancy_threshold,
+        min_delta=ACTIVATION_MIN_DELTA,
+        collapse_delta=ACTIVATION_COLLAPSE_DELTA,
+    )
+    return hdi, act
