@@ -69,13 +69,13 @@ from hdi_monitor.models.hooks import (
     output_accumulator,
 )
 from hdi_monitor.models.sharding import full_weights, gathers_weights, is_fsdp1_module
+from hdi_monitor.monitor.dashboard import Dashboard
 from hdi_monitor.monitor.detector import (
     DiversityEvent,
     DiversityWarning,
     SaturationDetector,
 )
-from hdi_monitor.monitor.render import heatmap
-from hdi_monitor.monitor.sinks import Sink, TensorBoardSink, custom_scalars_layout
+from hdi_monitor.monitor.sinks import Sink, TensorBoardSink
 from hdi_monitor.report import DiversityReport, compute_report
 
 __all__ = [
@@ -362,7 +362,7 @@ class HDITracker:
         self._handles: list[Any] = []
         self._last_step = -1
         self._step = 0  # own step counter for step()/capture()
-        self._layout_logged = False
+        self.dashboard = Dashboard()  # layout, summary scalars, pictures (loss_tag, max_image_layers, ...)
 
     # ------------------------------------------------------------------ public driving API
     @property
@@ -657,8 +657,8 @@ class HDITracker:
         report, step = pending.report, pending.step
         scalars = self._scalars(report)
         events = self._detect(step, report)
-        for event in events:
-            scalars[f"diversity_events/{event.kind}"] = scalars.get(f"diversity_events/{event.kind}", 0.0) + 1.0
+        detecting = self.detector is not None or (self.activation_detector is not None and self.activations)
+        self.dashboard.summary_scalars(scalars, report, events, projections=self.projections, detecting=detecting)
         measurement = Measurement(step=step, report=report, scalars=scalars, events=events)
         # results first, so that no sink can lose them; then the warnings; then the sinks, each alone
         self.history.append({"step": float(step), **scalars})
@@ -788,79 +788,80 @@ class HDITracker:
         return events
 
     def _pictures(self, pending: _Pending, errors: list[Exception]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """Heatmaps and angle histograms, on image steps only."""
-        step, report = pending.step, pending.report
-        if not self.log_images_every_n_steps or step % self.log_images_every_n_steps:
+        """Angle histograms on image steps (a collective under FSDP); the images are drawn in
+        `_write`, from the history that includes this step."""
+        if not self._image_step(pending.step):
             return {}, {}
-        histograms = {f"principal_angles_deg/{p}": angles for p, angles in self._angles(errors).items()}
-        images: dict[str, Tensor] = {}
-        if errors:
-            return images, histograms
-        try:
-            for layer in report.layers:
-                for projection, overlap in layer.overlap.items():
-                    if overlap.shape[-1] >= 2:
-                        images[f"overlap/{projection}/{layer.name}"] = heatmap(overlap, vmin=0.0, vmax=1.0)
-                if layer.correlation is not None and layer.correlation.shape[-1] >= 2:
-                    images[f"correlation/{layer.name}"] = heatmap(layer.correlation, vmin=-1.0, vmax=1.0, cmap="RdBu_r")
-        except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
-            errors.append(err)
-        return images, histograms
+        return {}, self.dashboard.histograms(self._angles(errors))
 
-    def _angles(self, errors: list[Exception]) -> dict[str, Tensor]:
-        """Principal angles (degrees) of every head pair i < j of every layer, per projection;
-        batched over the layers of one shape.
+    def _image_step(self, step: int) -> bool:
+        return bool(self.log_images_every_n_steps) and step % self.log_images_every_n_steps == 0
+
+    def _angles(self, errors: list[Exception]) -> dict[str, dict[str, Tensor]]:
+        """Principal angles (degrees) of every head pair i < j, per projection and layer (in
+        depth order); batched over the layers of one shape.
 
         Sharded layers (FSDP1 / FSDP2) are gathered once for all projections and reduced one layer
         at a time, in the same order on every rank. Local failures go to ``errors`` (the gathers
         still run, so the ranks stay in step)."""
 
-        def pair_angles(weights: list[Tensor]) -> Tensor | None:
+        def pair_angles(weights: list[Tensor]) -> list[Tensor] | None:
             if errors:
                 return None
             try:
                 angles = pairwise_principal_angles(torch.stack(weights))  # (L, H, H, d)
                 h = angles.shape[1]
                 i, j = torch.triu_indices(h, h, offset=1, device=angles.device)
-                picked = angles[:, i, j].flatten()
-                return torch.rad2deg(picked[~torch.isnan(picked)]).float().cpu()
+                picked = torch.rad2deg(angles[:, i, j].flatten(1)).float().cpu()
+                return [row[~torch.isnan(row)] for row in picked]
             except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
                 errors.append(err)
                 return None
 
-        values: dict[str, list[Tensor | None]] = {p: [] for p in self.projections}
-        groups: dict[tuple, list[Tensor]] = {}
+        values: dict[str, dict[str, Tensor]] = {p: {} for p in self.projections}
+        groups: dict[tuple, list[tuple[str, Tensor]]] = {}
         for layer in self.layers:
             if gathers_weights(layer, self.fsdp_root):
                 with full_weights(layer, self.fsdp_root):
                     for projection in self.projections:
                         w = layer.head_weights(projection)  # a gather: on every rank
-                        if w.shape[0] >= 2:
-                            values[projection].append(pair_angles([w]))
+                        if w.shape[0] >= 2 and (one := pair_angles([w])) is not None:
+                            values[projection][layer.name] = one[0]
                         del w
                 continue
             for projection in self.projections:
                 w = layer.head_weights(projection)
                 if w.shape[0] >= 2:
-                    groups.setdefault((projection, tuple(w.shape), w.dtype, w.device), []).append(w)
-        for key, weights in groups.items():
-            values[key[0]].append(pair_angles(weights))
-        return {p: torch.cat([v for v in vs if v is not None] or [torch.empty(0)]) for p, vs in values.items()}
+                    groups.setdefault((projection, tuple(w.shape), w.dtype, w.device), []).append((layer.name, w))
+        for key, named in groups.items():
+            per_layer = pair_angles([w for _, w in named])
+            if per_layer is not None:
+                values[key[0]].update(zip([n for n, _ in named], per_layer, strict=True))
+        order = [layer.name for layer in self.layers]
+        return {p: {n: vs[n] for n in order if n in vs} for p, vs in values.items()}
 
-    def _write(self, m: Measurement, images: dict[str, Tensor], histograms: dict[str, Tensor]) -> None:
+    def _write(self, m: Measurement, images: dict[str, Any], histograms: dict[str, Tensor]) -> None:
         """Write to every sink, each guarded alone: a failing sink loses only its own write."""
         if not self.sinks:
             return
-        layout = None
-        if not self._layout_logged:
+        layout = levels = None
+        if not self.dashboard.layout_written:
             names = {p: [la.name for la in m.report.layers if la.hdi.get(p) is not None] for p in self.projections}
-            layout = custom_scalars_layout(names, activations=self.activations)
-            self._layout_logged = True
+            layout = self.dashboard.layout(names, activations=self.activations)
+            levels = self.dashboard.levels_text(m.report, self.projections)
+            self.dashboard.layout_written = True
+        if self._image_step(m.step):
+            with self._guard("drawing the dashboard images"):  # a failure costs the images only
+                images = {**images, **self.dashboard.images(
+                    m.report, self.history, step=m.step, projections=self.projections, activations=self.activations
+                )}
         first_error: Exception | None = None
         for sink in self.sinks:
             try:
                 if layout is not None:
                     sink.log_layout(layout)
+                if levels is not None:
+                    sink.log_text("hdi_levels", levels, m.step)
                 sink.log_scalars(m.scalars, m.step)
                 if images:
                     sink.log_images(images, m.step)
