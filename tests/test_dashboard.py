@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+from conftest import read_events, scalar_series
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
@@ -21,8 +22,6 @@ from hdi_monitor.monitor.dashboard import Dashboard
 from hdi_monitor.monitor.detector import SaturationDetector
 from hdi_monitor.monitor.render import PNG_DATA_KEY
 from hdi_monitor.monitor.tracker import HDITracker
-
-from conftest import read_events, scalar_series
 
 PROJECTIONS = ("query", "key", "value", "output")
 D, HEADS = 16, 4  # head width 4: H * d = D, so the frame bound is 1 (does not bind)
