@@ -137,11 +137,11 @@ def test_custom_scalars_layout_written_once(tb_run):
 
     patterns = list(chart.multiline.tag)
     for tag in [f"hdi/key/{n}" for n in LAYERS] + ["hdi_chance/key"]:
-        assert any(re.search(p, tag) for p in patterns), tag
-    assert not any(re.search(p, "hdi/query/" + LAYERS[0]) for p in patterns)
-    assert any(re.search(p, "train_loss") for p in charts["training loss"].multiline.tag)
+        assert any(re.match(p, tag) for p in patterns), tag
+    assert not any(re.match(p, "hdi/query/" + LAYERS[0]) for p in patterns)
+    assert any(re.match(p, "train_loss") for p in charts["training loss"].multiline.tag)
     health = charts["invalid heads (key)"]
-    assert any(re.search(p, f"invalid_heads/key/{LAYERS[1]}") for p in health.multiline.tag)
+    assert any(re.match(p, f"invalid_heads/key/{LAYERS[1]}") for p in health.multiline.tag)
 
 
 def test_invalid_head_counts_logged_on_every_measured_step(tb_run):

@@ -124,10 +124,12 @@ def test_margin_layout_written_once_and_every_tag_exists(small):
     # per-layer lines in a collapsed category; the loss chart finds the loop's own loss tag
     cat, chart = charts["HDI (key) per layer"]
     assert cat.closed
-    assert all(any(re.search(r, f"hdi/key/{n}") for r in chart.multiline.tag) for n in names)
+    # TensorBoard selects a multiline chart's tags with re.match
+    assert all(any(re.match(r, f"hdi/key/{n}") for r in chart.multiline.tag) for n in names)
     cat, chart = charts["training loss"]
     assert not cat.closed
-    assert [t for t in scalars if any(re.search(r, t) for r in chart.multiline.tag)] == ["train/loss"]
+    assert [t for t in scalars if any(re.match(r, t) for r in chart.multiline.tag)] == ["train/loss"]
+    assert all(re.match(chart.multiline.tag[0], t) for t in ("train_loss", "loss", "train_loss_step"))
 
 
 def test_given_loss_tag_is_charted_exactly(tmp_path):

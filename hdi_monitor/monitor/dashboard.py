@@ -47,7 +47,7 @@ __all__ = [
 
 #: Custom Scalars regex for the training loss when no tag is given: any scalar tag whose last part
 #: is or contains a ``loss`` word (``train_loss``, ``loss``, ``train/loss``, ``train_loss_step``).
-LOSS_PATTERN = r"(^|[/_.])loss($|[/_.])"
+LOSS_PATTERN = r"^(.*[/_.])?loss([/_.].*)?$"
 #: Layers shown in a tiled overlap or correlation image; past it, the layers that moved most.
 DEFAULT_MAX_IMAGE_LAYERS = 16
 #: Layers with a principal-angle histogram of their own; past it, groups of adjacent layers.
@@ -345,7 +345,7 @@ class Dashboard:
             return _short(name)
         before = self._last_image_values.get(key, {}).get(name)
         change = f" ({value - before:+.2f})" if before is not None else ""
-        return f"{_short(name, 24)}\n{what} {value:.3f}{change}"
+        return f"{_short(name, 34)}\n{what} {value:.3f}{change}"
 
     def _subset_note(self, picked: list[str], layers: Sequence[Any]) -> str:
         if len(picked) == len(layers):

@@ -145,13 +145,13 @@ def _png(fig: Any, data: Mapping[str, Any]) -> bytes:
 
 
 def _tick_positions(count: int, *, slots: int) -> list[int]:
-    """At most ``slots`` evenly spread indices of ``range(count)``, first and last included."""
+    """About ``slots`` evenly spread indices of ``range(count)``: the first, and the last unless it crowds."""
     if count <= slots:
         return list(range(count))
     step = math.ceil((count - 1) / (slots - 1))
     picks = list(range(0, count, step))
-    if picks[-1] != count - 1:
-        picks[-1] = count - 1
+    if count - 1 - picks[-1] >= step / 2:  # the last index too, unless it would crowd its neighbour
+        picks.append(count - 1)
     return picks
 
 
@@ -192,7 +192,7 @@ def diversity_map(
     label_chars = max((len(n) for n in layers), default=1)
     left = min(0.09 * label_chars + 0.4, 3.2)  # inches for the row labels
     row_in = max(0.16, min(0.4, 4.0 / max(n_rows, 1)))  # each row at least 16 px high
-    body_w = max(4.0, min(9.0, 0.12 * n_cols))
+    body_w = max(6.0, min(10.0, 0.12 * n_cols))
     width, height = left + body_w + 1.3, 1.2 + row_in * n_rows
     fig = _figure(width, height)
     ax = fig.add_axes((left / width, 0.75 / height, body_w / width, row_in * n_rows / height))
