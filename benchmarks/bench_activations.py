@@ -197,7 +197,10 @@ def row(c: dict) -> str:
 
 
 def projections() -> list[str]:
-    lines = ["| model shape | layers | H | D | state new (all layers) | state old (all layers) |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| model shape | layers | H | D | state new (all layers) | state old (all layers) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for label, layers, heads, dim, head_dim in (("7B", 32, 32, 4096, 128), ("70B", 80, 64, 8192, 128)):
         lines.append(
             f"| {label} | {layers} | {heads} | {dim} | {_bytes(layers * new_state_bytes(heads, dim))} | "
@@ -224,7 +227,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA device is available")
-    wide = args.wide_tokens if args.wide_tokens is not None else (args.tokens if device.type == "cuda" else [1024, 4096])
+    wide = (
+        args.wide_tokens if args.wide_tokens is not None else (args.tokens if device.type == "cuda" else [1024, 4096])
+    )
     if device.type == "cuda":
         where = f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
         precision = "chunk products in IEEE float32 (TF32 off inside the measurement), moments in float64"
@@ -250,7 +255,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             results.append(case)
             lines.append(row(case))
             print(lines[-1], flush=True)
-    tail = ["", "Projected state for whole models (all layers' accumulators live during a measured step):", "", *projections()]
+    tail = [
+        "",
+        "Projected state for whole models (all layers' accumulators live during a measured step):",
+        "",
+        *projections(),
+    ]
     print("\n".join(tail))
     lines += tail
     if args.out is not None:

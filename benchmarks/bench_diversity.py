@@ -207,7 +207,9 @@ def run(device: torch.device, args: argparse.Namespace) -> list[str]:
     lines.append(row(case, "spectral", f"{r:.2f}x matmul", "<= 1.5x", _goal(r, 1.5, True)))
     lines.append(row("uniform HDI, same layer", "uniform", f"{best['uniform'] / best['matmul']:.1f}x matmul"))
     r = best["uniform"] / best["spectral"]
-    lines.append(row("uniform HDI vs spectral HDI, same layer", "uniform", f"{r:.2f}x spectral", "<= 2x", _goal(r, 2.0, True)))
+    lines.append(
+        row("uniform HDI vs spectral HDI, same layer", "uniform", f"{r:.2f}x spectral", "<= 2x", _goal(r, 2.0, True))
+    )
     r = best["uniform_qr"] / best["spectral"]
     lines.append(row("previous uniform HDI (QR of every head), same layer", "uniform_qr", f"{r:.2f}x spectral"))
     err = uniform_error_vs_scipy(layer)

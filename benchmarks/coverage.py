@@ -40,23 +40,59 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import transformers  # noqa: E402
+from kernel_capture import run_and_check, zero_biases  # noqa: E402
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES  # noqa: E402
 
 from hdi_monitor.models import discover_attention  # noqa: E402
-from kernel_capture import run_and_check, zero_biases  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
 _SMALL = {
-    "hidden_size": 32, "d_model": 32, "n_embd": 32, "dim": 32, "embed_dim": 32, "n_embed": 32, "d_embed": 32,
-    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
-    "num_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "n_layer": 2, "n_layers": 2, "num_layers": 2,
-    "encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2, "intermediate_size": 64, "ffn_dim": 64,
-    "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "d_ff": 64, "n_inner": 64, "hidden_dim": 64, "head_dim": 8,
-    "d_kv": 8, "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts": 4, "num_local_experts": 4,
-    "num_experts_per_tok": 2, "kv_lora_rank": 8, "q_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4,
-    "v_head_dim": 8, "embedding_size": 32, "projection_dim": 16, "text_embed_dim": 32, "vision_embed_dim": 32,
+    "hidden_size": 32,
+    "d_model": 32,
+    "n_embd": 32,
+    "dim": 32,
+    "embed_dim": 32,
+    "n_embed": 32,
+    "d_embed": 32,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "n_heads": 4,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "num_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "n_layer": 2,
+    "n_layers": 2,
+    "num_layers": 2,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "num_decoder_layers": 2,
+    "intermediate_size": 64,
+    "ffn_dim": 64,
+    "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64,
+    "d_ff": 64,
+    "n_inner": 64,
+    "hidden_dim": 64,
+    "head_dim": 8,
+    "d_kv": 8,
+    "moe_intermediate_size": 16,
+    "n_routed_experts": 4,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "kv_lora_rank": 8,
+    "q_lora_rank": 8,
+    "qk_nope_head_dim": 4,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "embedding_size": 32,
+    "projection_dim": 16,
+    "text_embed_dim": 32,
+    "vision_embed_dim": 32,
 }
 
 _ATTENTION_CLASS = re.compile(r"(Attention|Attn)$")
@@ -98,8 +134,11 @@ def time_box(seconds: int):
 
 def expected_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Innermost modules whose class name says attention and that hold parameters."""
-    cands = [(n, m) for n, m in model.named_modules()
-             if _ATTENTION_CLASS.search(type(m).__name__) and next(m.parameters(), None) is not None]
+    cands = [
+        (n, m)
+        for n, m in model.named_modules()
+        if _ATTENTION_CLASS.search(type(m).__name__) and next(m.parameters(), None) is not None
+    ]
     names = [n for n, _ in cands]
     return [(n, m) for n, m in cands if not any(o != n and o.startswith(n + ".") for o in names)]
 
@@ -187,7 +226,9 @@ def sweep_one(model_type: str, seconds: int) -> Row:
             bad = {k: v for k, v in result.items() if not v.startswith("ok") and v != "no kernel call"}
             calls = sum(v.startswith("ok") for v in result.values())
             gated = any(v == "ok (gated head outputs)" for v in result.values())
-            row.check = ("ok, gated" if gated else "ok") if not bad and calls else ("no kernel call" if not bad else "FAIL")
+            row.check = (
+                ("ok, gated" if gated else "ok") if not bad and calls else ("no kernel call" if not bad else "FAIL")
+            )
             if bad:
                 row.note = "; ".join(f"{k}: {v}" for k, v in list(bad.items())[:1])[:120]
         except Exception as exc:  # noqa: BLE001 - the model's own forward failed on generic inputs
@@ -235,11 +276,18 @@ def write(rows: list[Row], path: str, elapsed: float) -> str:
         if r.status in ("build failed", "no attention"):
             continue
         note = r.note.replace("|", "/").replace("\n", " ")
-        lines.append(f"| {r.model_type} | {r.cls} | {r.status} | {r.found}/{r.expected} | {r.skipped} | "
-                     f"{r.families} | {r.check} | {note} |")
+        lines.append(
+            f"| {r.model_type} | {r.cls} | {r.status} | {r.found}/{r.expected} | {r.skipped} | "
+            f"{r.families} | {r.check} | {note} |"
+        )
     lines += ["", "Not built from a tiny default config, or without attention modules:", ""]
-    lines.append(", ".join(f"{r.model_type} ({'no attention' if r.status == 'no attention' else 'build'})"
-                           for r in sorted(rows, key=lambda r: r.model_type) if r.status in ("build failed", "no attention")))
+    lines.append(
+        ", ".join(
+            f"{r.model_type} ({'no attention' if r.status == 'no attention' else 'build'})"
+            for r in sorted(rows, key=lambda r: r.model_type)
+            if r.status in ("build failed", "no attention")
+        )
+    )
     text = "\n".join(lines) + "\n"
     with open(path, "w") as fh:
         fh.write(text)

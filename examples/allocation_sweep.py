@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     say("|---:|" + "---:|" * (len(heads) + 2) + "---|")
     for n in n_values:
         best_h = best_measured(n).num_heads
-        cells = [f"**{measured_loss(n, H):.4f}**" if H == best_h else f"{measured_loss(n, H):.4f}" for H in heads]
+        cells = [f"**{measured_loss(n, H):.4f}**" if best_h == H else f"{measured_loss(n, H):.4f}" for H in heads]
         say(
             f"| {n} | " + " | ".join(cells) + f" | {TOTAL_DIM // best_h} | {', '.join(map(str, near_best(n)))}"
             f" | {', '.join(map(str, best_per_seed(n)))} |"

@@ -1,7 +1,7 @@
 """LightningCLI entry point: every HDIMonitor argument is configurable from YAML.
 
-    python examples/lightning_cli.py fit --config configs/demo.yaml
-    python examples/lightning_cli.py fit --config configs/demo.yaml --trainer.max_steps 100
+python examples/lightning_cli.py fit --config configs/demo.yaml
+python examples/lightning_cli.py fit --config configs/demo.yaml --trainer.max_steps 100
 """
 
 from lightning.pytorch.cli import LightningCLI

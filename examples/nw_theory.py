@@ -100,17 +100,17 @@ def run(args: argparse.Namespace) -> dict:
         assert abs(hdi - hdi_target) < 1e-6 and abs(hdi_uniform - hdi_target) < 1e-6
         # Predictions for every resample, head, test point and target: (R, H, N, targets).
         preds_all = torch.cat(
-            [nw_weights(bases, x_train[i : i + batch], x_test, args.bandwidth) @ y_train[i : i + batch, None]
-             for i in range(0, len(x_train), batch)]
+            [
+                nw_weights(bases, x_train[i : i + batch], x_test, args.bandwidth) @ y_train[i : i + batch, None]
+                for i in range(0, len(x_train), batch)
+            ]
         )
         for t, name in enumerate(TARGETS):
             f_test = target_fn(name, x_test, dk)
             preds = preds_all[..., t]  # (R, H, N)
             bvc = bias_variance_covariance(preds, f_test)
             fluct = preds - preds.mean(dim=0)  # each head's deviation from its own mean prediction
-            eff = head_covariance(
-                fluct.transpose(1, 2).reshape(-1, h), torch.ones(h, 1, 1, dtype=torch.float64)
-            )
+            eff = head_covariance(fluct.transpose(1, 2).reshape(-1, h), torch.ones(h, 1, 1, dtype=torch.float64))
             ens_err = (preds.mean(dim=1) - f_test).square().mean(dim=1)  # per resample
             member_mse = (preds - f_test).square().mean().item()
             var_term = bvc["variance"] / h

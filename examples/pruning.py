@@ -62,17 +62,59 @@ from hdi_monitor.ablation.fidelity import (
     sweep,
     time_forward,
 )
-from hdi_monitor.models import find_attention_layers
 from hdi_monitor.cli.prune import format_table, plot
-from hdi_monitor.report import head_diversity
+from hdi_monitor.models import find_attention_layers
 from hdi_monitor.monitor.detector import redundant_pairs
+from hdi_monitor.report import head_diversity
 
 MODULES = (
-    "argparse", "asyncio", "calendar", "collections", "configparser", "csv", "datetime", "decimal", "difflib",
-    "email.message", "fractions", "ftplib", "functools", "gettext", "gzip", "heapq", "hmac", "http.client",
-    "http.cookies", "imaplib", "inspect", "ipaddress", "json", "logging", "mailbox", "os", "pathlib", "pickle",
-    "pprint", "queue", "random", "shutil", "smtplib", "socket", "statistics", "string", "subprocess", "tarfile",
-    "tempfile", "textwrap", "threading", "tokenize", "typing", "unittest", "urllib.parse", "uuid", "warnings",
+    "argparse",
+    "asyncio",
+    "calendar",
+    "collections",
+    "configparser",
+    "csv",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email.message",
+    "fractions",
+    "ftplib",
+    "functools",
+    "gettext",
+    "gzip",
+    "heapq",
+    "hmac",
+    "http.client",
+    "http.cookies",
+    "imaplib",
+    "inspect",
+    "ipaddress",
+    "json",
+    "logging",
+    "mailbox",
+    "os",
+    "pathlib",
+    "pickle",
+    "pprint",
+    "queue",
+    "random",
+    "shutil",
+    "smtplib",
+    "socket",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "tokenize",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "warnings",
     "zipfile",
 )
 FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
@@ -108,7 +150,9 @@ def docstrings() -> list[list[str]]:
         mod = importlib.import_module(name)
         objs = [mod] + [obj for _, obj in sorted(vars(mod).items()) if not _.startswith("_")]
         for obj in objs:
-            members = [obj] + ([m for k, m in sorted(vars(obj).items()) if not k.startswith("_")] if inspect.isclass(obj) else [])
+            members = [obj] + (
+                [m for k, m in sorted(vars(obj).items()) if not k.startswith("_")] if inspect.isclass(obj) else []
+            )
             for m in members:
                 doc = inspect.getdoc(m) if callable(m) or inspect.ismodule(m) else None
                 if not doc or doc in seen:
@@ -221,7 +265,9 @@ def findings(rows: list[dict], pruning: list[dict], monitor: dict, info: dict) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs/results/pruning", help="folder for results.json/.md and fidelity.png")
-    parser.add_argument("--docs", default="docs/pruning.md", help="Markdown page whose generated block is replaced ('' to skip)")
+    parser.add_argument(
+        "--docs", default="docs/pruning.md", help="Markdown page whose generated block is replaced ('' to skip)"
+    )
     parser.add_argument("--ranking-docs", type=int, default=96, help="docstrings (pairs) in the ranking set")
     parser.add_argument("--heldout", type=int, default=256, help="held-out sentences")
     args = parser.parse_args(argv)
@@ -279,17 +325,27 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(2):  # alternate, best of two each: both see the same machine load
             t_full = min(t_full, time_forward(model, held_b, repeats=1))
             t_pruned = min(t_pruned, time_forward(pruned, held_b, repeats=1))
-        pruning.append({
-            "fraction": f, "removed": sum(map(len, chosen.values())), "parameters_full": count_parameters(model),
-            "parameters_pruned": count_parameters(pruned), "forward_seconds_full": t_full,
-            "forward_seconds_pruned": t_pruned, "max_abs_diff_vs_ablated": diff,
-        })
+        pruning.append(
+            {
+                "fraction": f,
+                "removed": sum(map(len, chosen.values())),
+                "parameters_full": count_parameters(model),
+                "parameters_pruned": count_parameters(pruned),
+                "forward_seconds_full": t_full,
+                "forward_seconds_pruned": t_pruned,
+                "max_abs_diff_vs_ablated": diff,
+            }
+        )
     monitor = monitor_view(model, rank_b)
     first = [score for _, _, score in scores_w[: round(0.1 * total)]]
     monitor["weights_redundancy_first_10pct"] = {"min": min(first), "max": max(first)}
     info = {
-        "heads": total, "ranking_sentences": len(rank_sentences), "pairs": len(pairs), "heldout_sentences": len(held),
-        "docstrings": len(with_pairs) + len(held), "seconds": time.perf_counter() - start,
+        "heads": total,
+        "ranking_sentences": len(rank_sentences),
+        "pairs": len(pairs),
+        "heldout_sentences": len(held),
+        "docstrings": len(with_pairs) + len(held),
+        "seconds": time.perf_counter() - start,
         "cpu_seconds": time.process_time() - cpu_start,
     }
     out = Path(args.out)
@@ -297,14 +353,22 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(table_rows)
     text = findings(table_rows, pruning, monitor, info)
     result = {
-        "info": info, "rows": table_rows, "random_rows": random_rows, "pruning": pruning, "monitor": monitor,
+        "info": info,
+        "rows": table_rows,
+        "random_rows": random_rows,
+        "pruning": pruning,
+        "monitor": monitor,
         "importance": {k: v.tolist() for k, v in imp.items()},
         "rankings": {k: [[n, h] for n, h in v] for k, v in orders.items()},
     }
     (out / "results.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
     (out / "results.md").write_text(table + "\n\n" + text + "\n", encoding="utf-8")
-    plot(table_rows, out / "fidelity.png", "all-MiniLM-L6-v2: heads removed (held-out stdlib docstrings)",
-         reference=(0.4, "Michel et al.: ~40% removable"))
+    plot(
+        table_rows,
+        out / "fidelity.png",
+        "all-MiniLM-L6-v2: heads removed (held-out stdlib docstrings)",
+        reference=(0.4, "Michel et al.: ~40% removable"),
+    )
     if args.docs:
         page = Path(args.docs)
         src = page.read_text(encoding="utf-8")

@@ -12,7 +12,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -210,11 +210,11 @@ def _nested(t: Tensor) -> list:
     return [[_finite_or_none(x) for x in row] for row in t.double().tolist()]
 
 
-def _check_projections(projections: Sequence[str] | str) -> tuple[str, ...]:
-    return check_choices("projections", projections, PROJECTIONS, allow_str=True)
+def _check_projections(projections: Sequence[str] | str) -> tuple[Projection, ...]:
+    return cast("tuple[Projection, ...]", check_choices("projections", projections, PROJECTIONS, allow_str=True))
 
 
-def _read(layer: AttentionLayer, projection: str) -> Tensor:
+def _read(layer: AttentionLayer, projection: Projection) -> Tensor:
     w = layer.head_weights(projection)
     if w.is_meta:
         raise ValueError(
@@ -225,8 +225,8 @@ def _read(layer: AttentionLayer, projection: str) -> Tensor:
 
 
 def weight_groups(
-    layers: Sequence[AttentionLayer], projections: Sequence[str], *, fsdp_root: nn.Module | None = None
-) -> Iterator[tuple[str, list[int], Tensor]]:
+    layers: Sequence[AttentionLayer], projections: Sequence[Projection], *, fsdp_root: nn.Module | None = None
+) -> Iterator[tuple[Projection, list[int], Tensor]]:
     """The head weights of ``layers``, batched: yields ``(projection, layer indices, weights)``
     with ``weights`` of shape ``(L, H, D_in, d)`` for the ``L`` layers listed.
 
@@ -460,7 +460,7 @@ def head_diversity(
             warnings.warn(skipped_message(discovery.skipped), UserWarning, stacklevel=2)
         report = compute_report(
             found,
-            projections=checked,  # type: ignore[arg-type]  # checked: members of PROJECTIONS
+            projections=checked,  # checked: members of PROJECTIONS
             weighting=weighting,
             fsdp_root=root,
             skipped=discovery.skipped,

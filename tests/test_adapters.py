@@ -816,12 +816,14 @@ def test_spec_attribute_paths():
     # out of the box: the structural wq/wk/wv/wo entry, head counts from the module's heads/kv_heads
     auto = find_attention_layers(model)
     assert [(lay.family, lay.num_heads, lay.num_kv_heads) for lay in auto] == [("wqkvo", H, HKV)] * 3
-    spec = AttentionSpec(modules=r"blocks\.\d+\.attn$", query="wq", key="wk", value="wv", output="wo",
-                         num_heads=H, num_kv_heads=HKV)
+    spec = AttentionSpec(
+        modules=r"blocks\.\d+\.attn$", query="wq", key="wk", value="wv", output="wo", num_heads=H, num_kv_heads=HKV
+    )
     layers = find_attention_layers(model, spec=spec)
     assert [lay.name for lay in layers] == ["blocks.0.attn", "blocks.1.attn", "blocks.2.attn"]  # not attn_norm
-    unanchored = AttentionSpec(modules=r"blocks\.\d+\.attn", query="wq", key="wk", value="wv", output="wo",
-                               num_heads=H, num_kv_heads=HKV)  # re.search: also finds blocks.0.attn_norm
+    unanchored = AttentionSpec(
+        modules=r"blocks\.\d+\.attn", query="wq", key="wk", value="wv", output="wo", num_heads=H, num_kv_heads=HKV
+    )  # re.search: also finds blocks.0.attn_norm
     with pytest.raises(ValueError, match=r"blocks\.0\.attn_norm: .*'wo' does not resolve.*anchor it"):
         find_attention_layers(model, spec=unanchored)
     x = torch.randn(2, T, D)
@@ -880,8 +882,9 @@ def test_spec_shape_errors_name_projection_and_numbers():
             ),
         )
     with pytest.raises(ValueError, match="matched no module of CustomModel"):
-        find_attention_layers(model, spec=AttentionSpec(modules="^attn$", query="wq", key="wk", value="wv",
-                                                        output="wo", num_heads=4))
+        find_attention_layers(
+            model, spec=AttentionSpec(modules="^attn$", query="wq", key="wk", value="wv", output="wo", num_heads=4)
+        )
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         AttentionSpec(modules="x", query="wq", key="wk", value="wv", output="wo", num_heads=4, num_kv_heads=3)
     with pytest.raises(TypeError, match="AttentionSpec.key"):

@@ -59,20 +59,22 @@ def test_nothing_logged_between_measured_steps(tb_run):
 def test_images_and_histograms_at_image_steps(tb_run):
     _, _, _, accs = tb_run
     images = {t for acc in accs for t in acc.Tags()["images"]}
-    expected = {f"overlap/{p}/{name}" for p in PROJECTIONS for name in LAYERS} | {f"correlation/{n}" for n in LAYERS}
-    assert expected <= images
+    expected = {f"diversity_map/{p}" for p in PROJECTIONS} | {f"overlap/{p}" for p in PROJECTIONS} | {"correlation"}
+    assert images == expected  # one image per projection and kind, not one per layer
     for acc in accs:
         for tag in acc.Tags()["images"]:
             events = acc.Images(tag)
             assert [e.step for e in events] == [0, 6]
-            assert events[0].width > 4 * 10 and events[0].height == events[0].width  # upscaled square with labels
+            assert events[0].width >= 400 and events[0].height >= 200  # a figure with labels and a colour bar
     hists = {t: acc.Histograms(t) for acc in accs for t in acc.Tags()["histograms"]}
+    assert set(hists) == {f"principal_angles_deg/{p}/{n}" for p in PROJECTIONS for n in LAYERS}  # per layer
     for p in PROJECTIONS:
-        events = hists[f"principal_angles_deg/{p}"]
-        assert [e.step for e in events] == [0, 6]
-        # 2 layers x C(4, 2) pairs x 8 angles each
-        assert events[0].histogram_value.num == 2 * 6 * 8
-        assert events[0].histogram_value.min >= 0 and events[0].histogram_value.max <= 90.0 + 1e-4
+        for name in LAYERS:
+            events = hists[f"principal_angles_deg/{p}/{name}"]
+            assert [e.step for e in events] == [0, 6]
+            # C(4, 2) pairs x 8 angles each
+            assert events[0].histogram_value.num == 6 * 8
+            assert events[0].histogram_value.min >= 0 and events[0].histogram_value.max <= 90.0 + 1e-4
 
 
 def test_custom_scalars_layout_written_once(tb_run):
@@ -87,17 +89,26 @@ def test_custom_scalars_layout_written_once(tb_run):
                 layout.ParseFromString(ev.tensor_proto.string_val[0])
                 found.append(layout)
     assert len(found) == 1
-    titles = {chart.title for cat in found[0].category for chart in cat.chart}
-    assert {f"HDI ({p})" for p in PROJECTIONS} <= titles
-    chart = next(c for cat in found[0].category for c in cat.chart if c.title == "HDI (key)")
+    charts = {chart.title: chart for cat in found[0].category for chart in cat.chart}
+    margin = charts["HDI (key): mean over 2 layers, min-max band, chance level"].margin.series
+    assert [(s.value, s.lower, s.upper) for s in margin] == [
+        ("hdi/key/mean", "hdi/key/min", "hdi/key/max"),
+        ("hdi_chance/key", "hdi_chance/key", "hdi_chance/key"),
+    ]
+    scalars = {t for acc in accs for t in acc.Tags()["scalars"]}
+    assert {tag for s in margin for tag in (s.value, s.lower, s.upper)} <= scalars
+    chart = charts["HDI (key) per layer"]
+    closed = {cat.title: cat.closed for cat in found[0].category}
+    assert closed["HDI"] is False and closed["HDI per layer"] is True
     import re
 
     patterns = list(chart.multiline.tag)
-    for tag in [f"hdi/key/{n}" for n in LAYERS] + ["hdi_chance/key", "hdi/key/mean"]:
-        assert any(re.search(p, tag) for p in patterns), tag
-    assert not any(re.search(p, "hdi/query/" + LAYERS[0]) for p in patterns)
-    health = next(c for cat in found[0].category for c in cat.chart if c.title == "invalid heads (key)")
-    assert any(re.search(p, f"invalid_heads/key/{LAYERS[1]}") for p in health.multiline.tag)
+    for tag in [f"hdi/key/{n}" for n in LAYERS] + ["hdi_chance/key"]:
+        assert any(re.match(p, tag) for p in patterns), tag
+    assert not any(re.match(p, "hdi/query/" + LAYERS[0]) for p in patterns)
+    assert any(re.match(p, "train_loss") for p in charts["training loss"].multiline.tag)
+    health = charts["invalid heads (key)"]
+    assert any(re.match(p, f"invalid_heads/key/{LAYERS[1]}") for p in health.multiline.tag)
 
 
 def test_invalid_head_counts_logged_on_every_measured_step(tb_run):
@@ -168,7 +179,13 @@ def test_fit_twice_on_one_trainer_continues_history_and_detector(tmp_path):
     """Item 4 (issue 12): a second trainer.fit on the same Trainer continues the history, the events
     and the detector on Lightning's own step axis; a new Trainer starts afresh."""
     model = tiny_lm(lr=0.0)  # flat HDI: saturation needs patience + 1 = 4 measurements in one series
-    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, detector=SaturationDetector(patience=3, warmup_steps=0), strict=True)
+    monitor = HDIMonitor(
+        every_n_steps=2,
+        projections=("key",),
+        activations=False,
+        detector=SaturationDetector(patience=3, warmup_steps=0),
+        strict=True,
+    )
     t = pl.Trainer(
         max_epochs=1,
         logger=TensorBoardLogger(str(tmp_path), name="tb"),
@@ -344,7 +361,8 @@ def test_points_use_the_weights_of_their_forward_pass(tmp_path):
 
     model = tiny_lm(lr=0.05)
     monitor = HDIMonitor(every_n_steps=2, projections=("key",), strict=True, detector=None, max_tokens=None)
-    trainer(tmp_path, [Snapshot(), monitor], max_steps=5).fit(model, loader())
+    t = trainer(tmp_path, [Snapshot(), monitor], max_steps=5)
+    t.fit(model, loader())
     by_step = {int(h["step"]): h for h in monitor.history}
     assert sorted(by_step) == [0, 2, 4]
     for step in (2, 4):

@@ -230,9 +230,7 @@ def test_monitor_on_compiled_submodule(family, how):
     else:
         getattr(model, inner).compile(backend="eager")
         prefix = ""
-    monitor = HDIMonitor(
-        every_n_steps=EVERY, spec=spec, log_images_every_n_steps=0, detector=None, max_tokens=None
-    )
+    monitor = HDIMonitor(every_n_steps=EVERY, spec=spec, log_images_every_n_steps=0, detector=None, max_tokens=None)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -290,9 +288,7 @@ def test_gradient_checkpointing_does_not_double_count(use_reentrant):
     counter = model.encoder.layers[0].self_attn.register_forward_pre_hook(
         lambda mod, args, kwargs: calls.append(1), with_kwargs=True
     )
-    monitor = HDIMonitor(
-        every_n_steps=EVERY, log_images_every_n_steps=0, detector=None, max_tokens=None, strict=True
-    )
+    monitor = HDIMonitor(every_n_steps=EVERY, log_images_every_n_steps=0, detector=None, max_tokens=None, strict=True)
     fit(model, monitor)
     counter.remove()
     assert len(calls) == 2 * STEPS  # the checkpoint really recomputed every forward in backward

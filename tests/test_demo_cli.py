@@ -68,7 +68,7 @@ def test_demo_writes_dashboards_and_a_checkpoint_the_report_reads(tmp_path, caps
     series = scalar_series(accs, "hdi/key/encoder.layers.1.self_attn")
     assert sorted(series) == [0, 3]
     assert all(0.0 <= v <= 1.0 for v in series.values())
-    assert any(t.startswith("overlap/key/") for acc in accs for t in acc.Tags()["images"])
+    assert "overlap/key" in {t for acc in accs for t in acc.Tags()["images"]}
 
     # The demo's suggested command, run exactly as printed, reads the checkpoint it saved.
     line = next(ln for ln in out.splitlines() if "hdi-monitor report" in ln)

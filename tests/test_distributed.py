@@ -254,4 +254,6 @@ def test_scale_benchmark_smoke_run():
         assert r["best"] > 0 and r["hdi"].shape == (shape.layers, len(PROJECTIONS))
         assert r["max_hdi_diff"] <= 1e-6  # per-layer == batched
         for projection, value in r["mean_hdi"].items():
-            assert value == pytest.approx(chance_hdi(model_dim=shape.model_dim, head_dim=shape.head_dim), abs=6e-3), projection
+            assert value == pytest.approx(chance_hdi(model_dim=shape.model_dim, head_dim=shape.head_dim), abs=6e-3), (
+                projection
+            )

@@ -614,7 +614,9 @@ def test_chance_level_uniform_monte_carlo(dim, width):
     se = math.sqrt(var / n)
     assert abs(rho.mean().item() - mean) < 4 * se
     assert rho.var().item() == pytest.approx(var, rel=0.15)
-    assert 1 - rho.mean().item() == pytest.approx(chance_hdi(model_dim=dim, head_dim=width, weighting="uniform"), abs=4 * se)
+    assert 1 - rho.mean().item() == pytest.approx(
+        chance_hdi(model_dim=dim, head_dim=width, weighting="uniform"), abs=4 * se
+    )
 
 
 @pytest.mark.parametrize(("dim", "width"), [(16, 4), (32, 8), (12, 20)])

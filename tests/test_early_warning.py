@@ -17,8 +17,12 @@ LAYER0 = "encoder.layers.0.self_attn"
 
 def test_flat_hdi_fires_saturation_and_stop_ends_training_early(tmp_path):
     monitor = HDIMonitor(
-        every_n_steps=2, projections=("key",), activations=False, detector=SaturationDetector(patience=3, warmup_steps=0),
-        on_saturation="stop", strict=True,
+        every_n_steps=2,
+        projections=("key",),
+        activations=False,
+        detector=SaturationDetector(patience=3, warmup_steps=0),
+        on_saturation="stop",
+        strict=True,
     )
     t = trainer(tmp_path, monitor, max_steps=40)
     with pytest.warns(DiversityWarning, match="step 6: saturation in 2 layers and the model mean"):
@@ -36,11 +40,17 @@ def test_flat_hdi_fires_saturation_and_stop_ends_training_early(tmp_path):
         if "diversity_events/saturation" in acc.Tags()["scalars"]
         for ev in acc.Scalars("diversity_events/saturation")
     ]
-    assert [f.step for f in flags] == [6] and flags[0].value >= 1
+    assert [f.step for f in flags] == [0, 2, 4, 6]  # a point at every measured step, 0 without events
+    assert [f.value for f in flags[:3]] == [0.0, 0.0, 0.0] and flags[3].value >= 1
 
 
 def test_warn_mode_does_not_stop(tmp_path):
-    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, detector=SaturationDetector(patience=2, warmup_steps=0))
+    monitor = HDIMonitor(
+        every_n_steps=2,
+        projections=("key",),
+        activations=False,
+        detector=SaturationDetector(patience=2, warmup_steps=0),
+    )
     t = trainer(tmp_path, monitor, max_steps=12)
     with pytest.warns(DiversityWarning):
         t.fit(tiny_lm(lr=0.0), loader())
@@ -59,7 +69,13 @@ def test_tied_key_heads_get_a_redundancy_warning(tmp_path):
     model = tiny_lm(lr=0.0)
     _tie_key_heads(model, layer=0, a=1, b=3)
     events: list[DiversityEvent] = []
-    monitor = HDIMonitor(every_n_steps=2, projections=("key",), detector=SaturationDetector(warmup_steps=0), on_saturation=events.append, strict=True)
+    monitor = HDIMonitor(
+        every_n_steps=2,
+        projections=("key",),
+        detector=SaturationDetector(warmup_steps=0),
+        on_saturation=events.append,
+        strict=True,
+    )
     trainer(tmp_path, monitor, max_steps=3).fit(model, loader())
     redundant = [e for e in events if e.kind == "redundancy" and e.projection == "key"]
     assert len(redundant) == 1  # once, not at every measurement
@@ -79,8 +95,13 @@ def _warnings_of(fit) -> list[str]:
 
 def test_resumed_run_warns_exactly_like_an_uninterrupted_one(tmp_path):
     def monitor():
-        return HDIMonitor(every_n_steps=2, projections=("key", "query"), activations=False,
-                          detector=SaturationDetector(patience=2, warmup_steps=4, redundancy_threshold=0.99), strict=True)
+        return HDIMonitor(
+            every_n_steps=2,
+            projections=("key", "query"),
+            activations=False,
+            detector=SaturationDetector(patience=2, warmup_steps=4, redundancy_threshold=0.99),
+            strict=True,
+        )
 
     def model():
         m = tiny_lm(lr=0.0)
@@ -116,7 +137,9 @@ def test_at_most_one_warning_per_measured_step_pointing_at_user_code(tmp_path):
     model = tiny_lm(lr=0.0)
     _tie_key_heads(model, layer=0, a=1, b=3)
     _tie_key_heads(model, layer=1, a=0, b=2)
-    monitor = HDIMonitor(every_n_steps=2, detector=SaturationDetector(patience=2, warmup_steps=0, redundancy_threshold=0.99), strict=True)
+    monitor = HDIMonitor(
+        every_n_steps=2, detector=SaturationDetector(patience=2, warmup_steps=0, redundancy_threshold=0.99), strict=True
+    )
     t = trainer(tmp_path, monitor, max_steps=9)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

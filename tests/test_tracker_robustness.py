@@ -104,8 +104,15 @@ def test_late_state_restore_is_applied(tmp_path):
     from conftest import loader, tiny_lm
 
     first = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, detector=None)
-    pl.Trainer(max_steps=5, callbacks=[first], logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False, accelerator="cpu").fit(tiny_lm(), loader())
+    pl.Trainer(
+        max_steps=5,
+        callbacks=[first],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    ).fit(tiny_lm(), loader())
     state = first.state_dict()
     assert [h["step"] for h in state["history"]] == [0, 2, 4]
 

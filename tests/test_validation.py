@@ -29,10 +29,18 @@ CALLBACK_BAD = [
     ({"detector": "off"}, TypeError, "detector must be a SaturationDetector, 'default' or None, got str 'off'"),
     ({"activation_detector": 0.9}, TypeError, "activation_detector must be a SaturationDetector, 'default' or None"),
     # the former loose detector arguments: a TypeError that names the settings and the detector
-    ({"patience": 5}, TypeError, r"'patience'.*the settings are every_n_steps, projections, .*seed; "
-     r"patience configure the detector: pass detector=SaturationDetector\(patience=...\)"),
+    (
+        {"patience": 5},
+        TypeError,
+        r"'patience'.*the settings are every_n_steps, projections, .*seed; "
+        r"patience configure the detector: pass detector=SaturationDetector\(patience=...\)",
+    ),
     ({"early_warning": False}, TypeError, "early_warning=False is detector=None"),
-    ({"every_n_step": 5}, TypeError, r"unexpected keyword argument\(s\) 'every_n_step'; the settings are every_n_steps,"),
+    (
+        {"every_n_step": 5},
+        TypeError,
+        r"unexpected keyword argument\(s\) 'every_n_step'; the settings are every_n_steps,",
+    ),
     ({"config": {"every_n_steps": 5}}, TypeError, "config must be a MonitorConfig or None, got dict"),
 ]
 
@@ -175,4 +183,8 @@ def test_default_activation_detector_follows_the_hdi_detector():
     hdi, act = resolve_detectors("default", None)
     assert act is None and hdi is not None
     default = SaturationDetector()
-    assert (hdi.patience, hdi.min_delta, hdi.warmup_steps) == (default.patience, default.min_delta, default.warmup_steps)
+    assert (hdi.patience, hdi.min_delta, hdi.warmup_steps) == (
+        default.patience,
+        default.min_delta,
+        default.warmup_steps,
+    )

@@ -79,7 +79,7 @@ class MonitorConfig:
     """
 
     every_n_steps: int = 100
-    projections: tuple[Projection, ...] = PROJECTIONS  # type: ignore[assignment]
+    projections: tuple[Projection, ...] = PROJECTIONS
     weighting: Weighting = "spectral"
     layers: str | tuple[str, ...] | None = None
     spec: AttentionSpec | None = None

@@ -1,4 +1,4 @@
-"""Render matrices as small RGB heatmaps for TensorBoard, without a figure per call.
+"""Render matrices as pictures: small RGB heatmaps (no figure per call) and dashboard figures.
 
 A heatmap is an ``(3, height, width)`` uint8 tensor: every matrix cell is a ``cell x cell`` block
 coloured through a fixed colour scale (``vmin``/``vmax`` do not follow the data, so images from
@@ -9,12 +9,17 @@ that of a few H x H copies, so it is cheap enough to run every time images are l
 
 from __future__ import annotations
 
+import io
+import json
+import math
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["heatmap", "colorbar_lut"]
+__all__ = ["heatmap", "colorbar_lut", "diversity_map", "tiled_heatmaps", "PNG_DATA_KEY"]
 
 # 3x5 bitmaps for the digits 0-9, one row per string, '#' = ink.
 _DIGITS = (
@@ -109,3 +114,189 @@ def heatmap(
         x0 = margin - 2 - ink.shape[1]
         canvas[y0 : y0 + 5, x0 : x0 + ink.shape[1]][ink] = 0
     return canvas.permute(2, 0, 1).contiguous()
+
+
+# ---------------------------------------------------------------- dashboard figures (matplotlib, Agg)
+
+#: Text size of every dashboard figure, in pixels at the figures' 100 dpi (10 pt = 13.9 px).
+FONT_PT = 10.0
+_DPI = 100
+#: Key of the PNG text chunk that carries a figure's underlying data (JSON).
+PNG_DATA_KEY = "hdi-monitor"
+
+
+def _figure(width_in: float, height_in: float) -> Any:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width_in, height_in), dpi=_DPI)
+    fig.patch.set_facecolor("white")
+    return fig
+
+
+def _png(fig: Any, data: Mapping[str, Any]) -> bytes:
+    """The figure as PNG bytes (Agg, no pyplot state) with ``data`` as JSON in a text chunk."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=_DPI, metadata={PNG_DATA_KEY: json.dumps(data, allow_nan=True)})
+    return buffer.getvalue()
+
+
+def _tick_positions(count: int, *, slots: int) -> list[int]:
+    """About ``slots`` evenly spread indices of ``range(count)``: the first, and the last unless it crowds."""
+    if count <= slots:
+        return list(range(count))
+    step = math.ceil((count - 1) / (slots - 1))
+    picks = list(range(0, count, step))
+    if count - 1 - picks[-1] >= step / 2:  # the last index too, unless it would crowd its neighbour
+        picks.append(count - 1)
+    return picks
+
+
+def diversity_map(
+    values: Tensor,
+    *,
+    layers: Sequence[str],
+    steps: Sequence[int],
+    chance: float,
+    title: str,
+) -> bytes:
+    """HDI by layer (rows) and measured step (columns) as a PNG, on the fixed scale [0, 1].
+
+    The colour scale is diverging around the chance level (white): red below chance (heads more
+    alike than random ones), blue above it; it does not follow the data, so maps of different runs
+    and steps compare. Missing values (a layer not measured at a step) are grey. The PNG carries
+    its matrix, row and column names and the pixel box of the map body in a text chunk
+    (`PNG_DATA_KEY`), so tests and tools can read the numbers back.
+
+    Args:
+        values: ``(layers, steps)`` HDI values, NaN where missing.
+        layers: row names, top to bottom.
+        steps: column steps, left to right.
+        chance: the chance level marked on the colour bar (white).
+        title: the figure title.
+
+    Returns:
+        PNG bytes.
+    """
+    from matplotlib.colors import TwoSlopeNorm
+
+    values = values.detach().to("cpu", torch.float64)
+    if values.shape != (len(layers), len(steps)):
+        raise ValueError(f"values has shape {tuple(values.shape)}, expected ({len(layers)}, {len(steps)})")
+    if not 0.0 < chance < 1.0:
+        raise ValueError(f"chance must lie in (0, 1), got {chance}")
+    n_rows, n_cols = values.shape
+    label_chars = max((len(n) for n in layers), default=1)
+    left = min(0.09 * label_chars + 0.4, 3.2)  # inches for the row labels
+    row_in = max(0.16, min(0.4, 4.0 / max(n_rows, 1)))  # each row at least 16 px high
+    body_w = max(6.0, min(10.0, 0.12 * n_cols))
+    width, height = left + body_w + 1.3, 1.2 + row_in * n_rows
+    fig = _figure(width, height)
+    ax = fig.add_axes((left / width, 0.75 / height, body_w / width, row_in * n_rows / height))
+    cmap = matplotlib_cmap("RdBu").with_extremes(bad=tuple(c / 255 for c in _NAN_RGB))
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=chance, vmax=1.0)
+    image = ax.imshow(values.numpy(), cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
+    rows = _tick_positions(n_rows, slots=max(2, int(row_in * n_rows * _DPI / 15)))
+    ax.set_yticks(rows, [layers[i] for i in rows], fontsize=FONT_PT)
+    cols = _tick_positions(n_cols, slots=max(2, int(body_w * 1.6)))
+    ax.set_xticks(cols, [str(steps[j]) for j in cols], fontsize=FONT_PT)
+    ax.set_xlabel("measured step", fontsize=FONT_PT)
+    ax.set_title(title, fontsize=FONT_PT + 1, loc="left")
+    bar = fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02, ticks=[0.0, chance, 1.0])
+    bar.ax.set_yticklabels(["0", f"chance {chance:.2f}", "1"], fontsize=FONT_PT)
+    bar.ax.axhline(chance, color="black", linewidth=1.0)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()  # lay out first, so that the body's pixel box is final
+    box = ax.get_window_extent()
+    height_px = fig.bbox.height
+    data = {
+        "rows": list(layers),
+        "columns": [int(s) for s in steps],
+        "values": [[None if math.isnan(v) else round(v, 6) for v in row] for row in values.tolist()],
+        "chance": chance,
+        # pixel box of the map body in the PNG: left, top, right, bottom
+        "body_px": [box.x0, height_px - box.y1, box.x1, height_px - box.y0],
+    }
+    return _png(fig, data)
+
+
+def matplotlib_cmap(name: str) -> Any:
+    """A matplotlib colour map by name."""
+    import matplotlib
+
+    return matplotlib.colormaps[name]
+
+
+def tiled_heatmaps(
+    matrices: Sequence[Tensor],
+    *,
+    titles: Sequence[str],
+    vmin: float,
+    vmax: float,
+    cmap: str,
+    title: str,
+    colorbar_label: str,
+    max_columns: int = 4,
+) -> bytes:
+    """Several square matrices (one per layer) in one PNG: a grid of tiles with a shared colour bar.
+
+    Every tile has its own title and head indices along its edges; the colour scale is fixed
+    (``vmin``/``vmax`` do not follow the data), NaN cells (dead heads) are grey. Text is 10 pt
+    (14 px at the figure's 100 dpi) whatever the number of tiles.
+
+    Args:
+        matrices: ``(H, H)`` matrices; sizes may differ between tiles.
+        titles: one title per tile (the layer name and its HDI, say).
+        vmin, vmax: the colour scale.
+        cmap: a matplotlib colour map name.
+        title: the figure title.
+        colorbar_label: the colour bar's label.
+        max_columns: tiles per row.
+
+    Returns:
+        PNG bytes; its text chunk carries the tile titles and sizes.
+    """
+    if not matrices:
+        raise ValueError("tiled_heatmaps needs at least one matrix")
+    if len(titles) != len(matrices):
+        raise ValueError(f"{len(titles)} titles for {len(matrices)} matrices")
+    if not vmax > vmin:
+        raise ValueError(f"vmax must exceed vmin, got vmin={vmin}, vmax={vmax}")
+    n = len(matrices)
+    ncols = min(max_columns, n)
+    nrows = math.ceil(n / ncols)
+    tile = 2.6
+    width, height = ncols * tile + 1.2, nrows * (tile + 0.35) + 0.6
+    fig = _figure(width, height)
+    grid = fig.add_gridspec(
+        nrows,
+        ncols,
+        left=0.45 / width,
+        right=1 - 1.15 / width,
+        bottom=0.35 / height,
+        top=1 - 0.6 / height,
+        wspace=0.3,
+        hspace=0.45,
+    )
+    colours = matplotlib_cmap(cmap).with_extremes(bad=tuple(c / 255 for c in _NAN_RGB))
+    image = None
+    for k, (matrix, name) in enumerate(zip(matrices, titles, strict=True)):
+        ax = fig.add_subplot(grid[k // ncols, k % ncols])
+        m = matrix.detach().to("cpu", torch.float64).numpy()
+        image = ax.imshow(m, cmap=colours, vmin=vmin, vmax=vmax, interpolation="nearest")
+        h = m.shape[0]
+        ticks = _tick_positions(h, slots=8)
+        ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=FONT_PT)
+        ax.set_yticks(ticks, [str(t) for t in ticks], fontsize=FONT_PT)
+        ax.tick_params(length=2, pad=1)
+        ax.set_title(name, fontsize=FONT_PT)
+    fig.suptitle(title, fontsize=FONT_PT + 1, x=0.45 / width, ha="left")
+    bar_ax = fig.add_axes((1 - 0.95 / width, 0.35 / height, 0.18 / width, 1 - 1.1 / height))
+    bar = fig.colorbar(image, cax=bar_ax)
+    bar.ax.tick_params(labelsize=FONT_PT)
+    bar.set_label(colorbar_label, fontsize=FONT_PT)
+    return _png(fig, {"titles": list(titles), "sizes": [int(m.shape[0]) for m in matrices]})

@@ -9,12 +9,19 @@ tests and notebooks.
 
 from __future__ import annotations
 
-import re
+import io
+import struct
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
-__all__ = ["Sink", "TensorBoardSink", "LoggerSink", "MemorySink", "custom_scalars_layout"]
+from hdi_monitor.monitor.dashboard import Layout
+
+__all__ = ["Sink", "TensorBoardSink", "LoggerSink", "MemorySink", "layout_proto", "Image"]
+
+#: An image: a ``(3, height, width)`` uint8 tensor (CHW) or encoded PNG bytes.
+Image = Tensor | bytes
 
 
 @runtime_checkable
@@ -23,52 +30,62 @@ class Sink(Protocol):
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None: ...
 
-    def log_images(self, images: dict[str, Tensor], step: int) -> None: ...
+    def log_images(self, images: dict[str, Image], step: int) -> None: ...
 
     def log_histograms(self, values: dict[str, Tensor], step: int) -> None: ...
 
     def log_text(self, tag: str, text: str, step: int) -> None: ...
 
-    def log_layout(self, layout: dict[str, dict[str, list[Any]]]) -> None: ...
+    def log_layout(self, layout: Layout) -> None: ...
 
     def flush(self) -> None: ...
 
 
-def custom_scalars_layout(
-    layer_names: dict[str, list[str]], *, activations: bool
-) -> dict[str, dict[str, list[Any]]]:
-    """TensorBoard Custom Scalars layout: one chart per projection with every layer and the chance level.
+def layout_proto(layout: Layout) -> Any:
+    """A `Layout` (plain data) as TensorBoard's Custom Scalars ``Layout`` protocol buffer.
 
-    Args:
-        layer_names: projection -> names of the layers measured for it.
-        activations: add the effective-heads and head-correlation charts.
-
-    Tags in a layout are regular expressions, so layer names are escaped.
+    ``SummaryWriter.add_custom_scalars`` takes one series per margin chart and no collapsed
+    categories; this builds the buffer directly, with both.
     """
-    hdi: dict[str, list[Any]] = {}
-    for projection, names in layer_names.items():
-        layers = "|".join(re.escape(n) for n in names) or "$^"
-        hdi[f"HDI ({projection})"] = [
-            "Multiline",
-            [
-                f"^hdi/{re.escape(projection)}/({layers})$",
-                f"^hdi/{re.escape(projection)}/mean$",
-                f"^hdi_chance/{re.escape(projection)}$",
-            ],
-        ]
-    layout: dict[str, dict[str, list[Any]]] = {"HDI per layer": hdi}
-    if activations:
-        layout["Head outputs"] = {
-            "effective heads": ["Multiline", [r"^effective_heads/.*"]],
-            "mean head correlation": ["Multiline", [r"^head_correlation/.*"]],
-        }
-    layout["Diversity events"] = {"events": ["Multiline", [r"^diversity_events/.*"]]}
-    # dead or non-finite heads per projection and layer (0 on every measured step when healthy)
-    layout["Head health"] = {
-        f"invalid heads ({projection})": ["Multiline", [f"^invalid_heads/{re.escape(projection)}/.*"]]
-        for projection in layer_names
-    }
-    return layout
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    categories = []
+    for category in layout["categories"]:
+        charts = []
+        for chart in category["charts"]:
+            if "margin" in chart:
+                series = [
+                    layout_pb2.MarginChartContent.Series(value=v, lower=lo, upper=hi) for v, lo, hi in chart["margin"]
+                ]
+                charts.append(
+                    layout_pb2.Chart(title=chart["title"], margin=layout_pb2.MarginChartContent(series=series))
+                )
+            else:
+                content = layout_pb2.MultilineChartContent(tag=list(chart["multiline"]))
+                charts.append(layout_pb2.Chart(title=chart["title"], multiline=content))
+        categories.append(layout_pb2.Category(title=category["title"], chart=charts, closed=category["closed"]))
+    return layout_pb2.Layout(category=categories)
+
+
+def _layout_summary(layout: Layout) -> Any:
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+
+    tensor = TensorProto(
+        dtype="DT_STRING", string_val=[layout_proto(layout).SerializeToString()], tensor_shape=TensorShapeProto()
+    )
+    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="custom_scalars"))
+    return Summary(value=[Summary.Value(tag="custom_scalars__config__", tensor=tensor, metadata=metadata)])
+
+
+def _image_summary(tag: str, png: bytes) -> Any:
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    width, height = struct.unpack(">II", png[16:24])  # the PNG header chunk: size, then colour type
+    channels = {0: 1, 2: 3, 4: 2, 6: 4}.get(png[25], 3)
+    image = Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=png)
+    return Summary(value=[Summary.Value(tag=tag, image=image)])
 
 
 class TensorBoardSink:
@@ -89,8 +106,14 @@ class TensorBoardSink:
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, global_step=step)
 
-    def log_images(self, images: dict[str, Tensor], step: int) -> None:
+    def log_images(self, images: dict[str, Image], step: int) -> None:
         for tag, image in images.items():
+            if isinstance(image, bytes):
+                file_writer = getattr(self.writer, "_get_file_writer", None)
+                if callable(file_writer):  # torch's SummaryWriter: write the PNG as it is
+                    file_writer().add_summary(_image_summary(tag, image), global_step=step)
+                    continue
+                image = _decode_png(image)
             self.writer.add_image(tag, image, global_step=step, dataformats="CHW")
 
     def log_histograms(self, values: dict[str, Tensor], step: int) -> None:
@@ -101,13 +124,28 @@ class TensorBoardSink:
     def log_text(self, tag: str, text: str, step: int) -> None:
         self.writer.add_text(tag, text, global_step=step)
 
-    def log_layout(self, layout: dict[str, dict[str, list[Any]]]) -> None:
-        if not self._layout_written:  # once per writer: TensorBoard keeps only one layout
-            self.writer.add_custom_scalars(layout)
-            self._layout_written = True
+    def log_layout(self, layout: Layout) -> None:
+        if self._layout_written:  # once per writer: TensorBoard keeps only one layout
+            return
+        file_writer = getattr(self.writer, "_get_file_writer", None)
+        if not callable(file_writer):
+            raise TypeError(
+                f"{type(self.writer).__name__} has no _get_file_writer(); the Custom Scalars layout needs "
+                "torch.utils.tensorboard.SummaryWriter"
+            )
+        file_writer().add_summary(_layout_summary(layout))
+        self._layout_written = True
 
     def flush(self) -> None:
         self.writer.flush()
+
+
+def _decode_png(png: bytes) -> Tensor:
+    from PIL import Image as PILImage
+
+    with PILImage.open(io.BytesIO(png)) as picture:
+        rgb = torch.frombuffer(bytearray(picture.convert("RGB").tobytes()), dtype=torch.uint8)
+        return rgb.reshape(picture.height, picture.width, 3).permute(2, 0, 1).contiguous()
 
 
 class LoggerSink:
@@ -126,7 +164,7 @@ class LoggerSink:
         if scalars:
             self.logger.log_metrics(dict(scalars), step=step)
 
-    def log_images(self, images: dict[str, Tensor], step: int) -> None:
+    def log_images(self, images: dict[str, Image], step: int) -> None:
         pass
 
     def log_histograms(self, values: dict[str, Tensor], step: int) -> None:
@@ -135,7 +173,7 @@ class LoggerSink:
     def log_text(self, tag: str, text: str, step: int) -> None:
         pass
 
-    def log_layout(self, layout: dict[str, dict[str, list[Any]]]) -> None:
+    def log_layout(self, layout: Layout) -> None:
         pass
 
     def flush(self) -> None:
@@ -149,15 +187,15 @@ class MemorySink:
 
     def __init__(self) -> None:
         self.scalars: list[tuple[int, str, float]] = []
-        self.images: list[tuple[int, str, Tensor]] = []
+        self.images: list[tuple[int, str, Image]] = []
         self.histograms: list[tuple[int, str, Tensor]] = []
         self.texts: list[tuple[int, str, str]] = []
-        self.layouts: list[dict[str, dict[str, list[Any]]]] = []
+        self.layouts: list[Layout] = []
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
         self.scalars.extend((step, tag, value) for tag, value in scalars.items())
 
-    def log_images(self, images: dict[str, Tensor], step: int) -> None:
+    def log_images(self, images: dict[str, Image], step: int) -> None:
         self.images.extend((step, tag, value) for tag, value in images.items())
 
     def log_histograms(self, values: dict[str, Tensor], step: int) -> None:
@@ -166,7 +204,7 @@ class MemorySink:
     def log_text(self, tag: str, text: str, step: int) -> None:
         self.texts.append((step, tag, text))
 
-    def log_layout(self, layout: dict[str, dict[str, list[Any]]]) -> None:
+    def log_layout(self, layout: Layout) -> None:
         self.layouts.append(layout)
 
     def flush(self) -> None:

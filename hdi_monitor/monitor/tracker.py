@@ -58,6 +58,7 @@ from hdi_monitor.functional.covariance import (
 )
 from hdi_monitor.functional.diversity import pairwise_principal_angles
 from hdi_monitor.models import AttentionLayer, find_attention_layers
+from hdi_monitor.models.base import Projection
 from hdi_monitor.models.hooks import (
     attach_output_hooks,
     call_model,
@@ -73,9 +74,9 @@ from hdi_monitor.monitor.config import (
     MonitorConfig,
     resolve_detectors,
 )
+from hdi_monitor.monitor.dashboard import Dashboard
 from hdi_monitor.monitor.detector import DiversityEvent, DiversityWarning
-from hdi_monitor.monitor.render import heatmap
-from hdi_monitor.monitor.sinks import Sink, TensorBoardSink, custom_scalars_layout
+from hdi_monitor.monitor.sinks import Sink, TensorBoardSink
 from hdi_monitor.report import DiversityReport, compute_report, weight_groups
 
 __all__ = [
@@ -283,7 +284,7 @@ class HDITracker:
         self.model = model
         self.config = config
         self.every_n_steps = config.every_n_steps
-        self.projections: tuple[str, ...] = config.projections
+        self.projections: tuple[Projection, ...] = config.projections
         self.weighting = config.weighting
         self.layer_filter = config.layers
         self.spec = config.spec
@@ -319,7 +320,7 @@ class HDITracker:
         self._handles: list[Any] = []
         self._last_step = -1
         self._step = 0  # own step counter for step()/capture()
-        self._layout_logged = False
+        self.dashboard = Dashboard()  # layout, summary scalars, pictures (loss_tag, max_image_layers, ...)
 
     # ------------------------------------------------------------------ public driving API
     @property
@@ -624,8 +625,8 @@ class HDITracker:
         report, step = pending.report, pending.step
         scalars = self._scalars(report)
         events = self._detect(step, report)
-        for event in events:
-            scalars[f"diversity_events/{event.kind}"] = scalars.get(f"diversity_events/{event.kind}", 0.0) + 1.0
+        detecting = self.detector is not None or (self.activation_detector is not None and self.activations)
+        self.dashboard.summary_scalars(scalars, report, events, projections=self.projections, detecting=detecting)
         measurement = Measurement(step=step, report=report, scalars=scalars, events=events)
         # results first, so that no sink can lose them; then the warnings; then the sinks, each alone
         self.history.append({"step": float(step), **scalars})
@@ -757,59 +758,64 @@ class HDITracker:
         return events
 
     def _pictures(self, pending: _Pending, errors: list[Exception]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """Heatmaps and angle histograms, on image steps only."""
-        step, report = pending.step, pending.report
-        if not self.log_images_every_n_steps or step % self.log_images_every_n_steps:
+        """Angle histograms on image steps (a collective under FSDP); the images are drawn in
+        `_write`, from the history that includes this step."""
+        if not self._image_step(pending.step):
             return {}, {}
-        histograms = {f"principal_angles_deg/{p}": angles for p, angles in self._angles(errors).items()}
-        images: dict[str, Tensor] = {}
-        if errors:
-            return images, histograms
-        try:
-            for layer in report.layers:
-                for projection, overlap in layer.overlap.items():
-                    if overlap.shape[-1] >= 2:
-                        images[f"overlap/{projection}/{layer.name}"] = heatmap(overlap, vmin=0.0, vmax=1.0)
-                if layer.correlation is not None and layer.correlation.shape[-1] >= 2:
-                    images[f"correlation/{layer.name}"] = heatmap(layer.correlation, vmin=-1.0, vmax=1.0, cmap="RdBu_r")
-        except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
-            errors.append(err)
-        return images, histograms
+        return {}, self.dashboard.histograms(self._angles(errors))
 
-    def _angles(self, errors: list[Exception]) -> dict[str, Tensor]:
-        """Principal angles (degrees) of every head pair i < j of every layer, per projection;
-        batched over the layers of one shape by `weight_groups` (the traversal of
+    def _image_step(self, step: int) -> bool:
+        return bool(self.log_images_every_n_steps) and step % self.log_images_every_n_steps == 0
+
+    def _angles(self, errors: list[Exception]) -> dict[str, dict[str, Tensor]]:
+        """Principal angles (degrees) of every head pair i < j, per projection and layer (in
+        depth order); batched over the layers of one shape by `weight_groups` (the traversal of
         `compute_report`: sharded layers gathered one at a time, in the same order on every rank).
         Local failures go to ``errors`` (the gathers still run, so the ranks stay in step)."""
-        values: dict[str, list[Tensor]] = {p: [] for p in self.projections}
-        for projection, _, weights in weight_groups(self.layers, self.projections, fsdp_root=self.fsdp_root):
+        values: dict[str, dict[str, Tensor]] = {p: {} for p in self.projections}
+        for projection, members, weights in weight_groups(self.layers, self.projections, fsdp_root=self.fsdp_root):
             if errors or weights.shape[1] < 2:
                 continue
             try:
                 angles = pairwise_principal_angles(weights)  # (L, H, H, d)
                 h = angles.shape[1]
                 i, j = torch.triu_indices(h, h, offset=1, device=angles.device)
-                picked = angles[:, i, j].flatten()
-                values[projection].append(torch.rad2deg(picked[~torch.isnan(picked)]).float().cpu())
+                picked = torch.rad2deg(angles[:, i, j].flatten(1)).float().cpu()
+                for index, row in zip(members, picked, strict=True):
+                    values[projection][self.layers[index].name] = row[~torch.isnan(row)]
             except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
                 errors.append(err)
             del weights  # a gathered layer is freed before the next one
-        return {p: torch.cat(vs or [torch.empty(0)]) for p, vs in values.items()}
+        order = [layer.name for layer in self.layers]
+        return {p: {n: vs[n] for n in order if n in vs} for p, vs in values.items()}
 
-    def _write(self, m: Measurement, images: dict[str, Tensor], histograms: dict[str, Tensor]) -> None:
+    def _write(self, m: Measurement, images: dict[str, Any], histograms: dict[str, Tensor]) -> None:
         """Write to every sink, each guarded alone: a failing sink loses only its own write."""
         if not self.sinks:
             return
-        layout = None
-        if not self._layout_logged:
-            names = {p: [la.name for la in m.report.layers if la.hdi.get(p) is not None] for p in self.projections}
-            layout = custom_scalars_layout(names, activations=self.activations)
-            self._layout_logged = True
+        layout = levels = None
+        if not self.dashboard.layout_written:
+            names: dict[str, list[str]] = {
+                p: [la.name for la in m.report.layers if la.hdi.get(p) is not None] for p in self.projections
+            }
+            layout = self.dashboard.layout(names, activations=self.activations)
+            levels = self.dashboard.levels_text(m.report, self.projections)
+            self.dashboard.layout_written = True
+        if self._image_step(m.step):
+            with self._guard("drawing the dashboard images"):  # a failure costs the images only
+                images = {
+                    **images,
+                    **self.dashboard.images(
+                        m.report, self.history, step=m.step, projections=self.projections, activations=self.activations
+                    ),
+                }
         first_error: Exception | None = None
         for sink in self.sinks:
             try:
                 if layout is not None:
                     sink.log_layout(layout)
+                if levels is not None:
+                    sink.log_text("hdi_levels", levels, m.step)
                 sink.log_scalars(m.scalars, m.step)
                 if images:
                     sink.log_images(images, m.step)

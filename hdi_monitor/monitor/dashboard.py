@@ -1,0 +1,384 @@
+"""What the TensorBoard dashboards show, laid out so that they read the same at 4 layers and at 80.
+
+The tracker measures; this module decides how the results are presented:
+
+* a Custom Scalars layout (`Dashboard.layout`): per projection one margin chart (the mean HDI over
+  layers, its min-max band, and the chance level), the training loss beside it, the head-output
+  summaries and the event counts; per-layer lines in categories that start collapsed;
+* summary scalars added to every measurement (`Dashboard.summary_scalars`): the min and max over
+  layers that the margin charts need, event counts that are 0 on measured steps without events,
+  and the frame bound only where it binds (below 1);
+* pictures on image steps (`Dashboard.images`): per projection a diversity map (HDI by layer and
+  measured step) and one tiled overlap image, plus one tiled correlation image; the number of image
+  tags per image step is ``2 * projections + 1`` whatever the depth;
+* principal-angle histograms per layer, or per group of layers past `max_histogram_layers`
+  (`Dashboard.histograms`);
+* the reference levels, once, as text (`Dashboard.levels_text`).
+
+The layout is plain data (`Layout`); `hdi_monitor.monitor.sinks.layout_proto` turns it into
+TensorBoard's protocol buffer.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+import torch
+from torch import Tensor
+
+from hdi_monitor.monitor.detector import EVENT_KINDS, DiversityEvent
+from hdi_monitor.monitor.render import diversity_map, tiled_heatmaps
+from hdi_monitor.report import DiversityReport
+
+__all__ = [
+    "Dashboard",
+    "Layout",
+    "Category",
+    "Chart",
+    "LOSS_PATTERN",
+    "DEFAULT_MAX_IMAGE_LAYERS",
+    "DEFAULT_MAX_HISTOGRAM_LAYERS",
+    "image_tags",
+]
+
+#: Custom Scalars regex for the training loss when no tag is given: any scalar tag whose last part
+#: is or contains a ``loss`` word (``train_loss``, ``loss``, ``train/loss``, ``train_loss_step``).
+LOSS_PATTERN = r"^(.*[/_.])?loss([/_.].*)?$"
+#: Layers shown in a tiled overlap or correlation image; past it, the layers that moved most.
+DEFAULT_MAX_IMAGE_LAYERS = 16
+#: Layers with a principal-angle histogram of their own; past it, groups of adjacent layers.
+DEFAULT_MAX_HISTOGRAM_LAYERS = 8
+#: Scalar families summarised by a min and a max over layers (beside their ``/mean``).
+_SUMMARISED = ("effective_heads", "head_correlation")
+
+
+class Chart(TypedDict, total=False):
+    """One Custom Scalars chart: ``multiline`` (tag regexes) or ``margin`` (exact tags, one
+    ``(value, lower, upper)`` triple per series)."""
+
+    title: str
+    multiline: list[str]
+    margin: list[tuple[str, str, str]]
+
+
+class Category(TypedDict):
+    """A Custom Scalars category; ``closed`` ones start collapsed."""
+
+    title: str
+    closed: bool
+    charts: list[Chart]
+
+
+class Layout(TypedDict):
+    """A Custom Scalars layout as plain data."""
+
+    categories: list[Category]
+
+
+def image_tags(projections: Sequence[str], *, activations: bool) -> list[str]:
+    """The image tags of one image step: the same list for 2 layers and for 80."""
+    tags = [f"diversity_map/{p}" for p in projections] + [f"overlap/{p}" for p in projections]
+    return tags + (["correlation"] if activations else [])
+
+
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _short(name: str, limit: int = 30) -> str:
+    return name if len(name) <= limit else "..." + name[-(limit - 3) :]
+
+
+@dataclass
+class Dashboard:
+    """Layout, summary scalars and pictures of one run (one per tracker).
+
+    Args:
+        loss_tag: the scalar tag of the training loss to chart next to the HDI (e.g.
+            ``"train_loss"``). None charts every tag matching `LOSS_PATTERN`, which finds what a
+            LightningModule logs as ``self.log("train_loss", ...)`` or a Hugging Face Trainer as
+            ``train/loss`` without knowing it in advance (at setup nothing is logged yet).
+        max_image_layers: at most this many layers in a tiled overlap or correlation image. With
+            more layers, the image shows the ones whose value moved most since the last image step
+            (the first image step shows evenly spaced layers); the tile titles name them.
+        max_histogram_layers: layers with their own principal-angle histogram; with more, adjacent
+            layers are grouped into this many histograms.
+    """
+
+    loss_tag: str | None = None
+    max_image_layers: int = DEFAULT_MAX_IMAGE_LAYERS
+    max_histogram_layers: int = DEFAULT_MAX_HISTOGRAM_LAYERS
+    layout_written: bool = False
+    _last_image_values: dict[str, dict[str, float]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.loss_tag is not None and (not isinstance(self.loss_tag, str) or not self.loss_tag):
+            raise ValueError(f"loss_tag must be a non-empty scalar tag or None, got {self.loss_tag!r}")
+        _check_count("max_image_layers", self.max_image_layers)
+        _check_count("max_histogram_layers", self.max_histogram_layers)
+
+    # ------------------------------------------------------------------ layout
+    def layout(self, layer_names: Mapping[str, Sequence[str]], *, activations: bool) -> Layout:
+        """The Custom Scalars layout.
+
+        Args:
+            layer_names: projection -> names of the layers measured for it.
+            activations: add the head-output charts.
+        """
+        loss = f"^{re.escape(self.loss_tag)}$" if self.loss_tag is not None else LOSS_PATTERN
+        main: list[Chart] = [{"title": "training loss", "multiline": [loss]}]
+        per_layer: list[Chart] = []
+        for p, names in layer_names.items():
+            main.append(
+                {
+                    "title": f"HDI ({p}): mean over {len(names)} layers, min-max band, chance level",
+                    "margin": [(f"hdi/{p}/mean", f"hdi/{p}/min", f"hdi/{p}/max"), (f"hdi_chance/{p}",) * 3],
+                }
+            )
+            layers = "|".join(re.escape(n) for n in names) or "$^"
+            per_layer.append(
+                {
+                    "title": f"HDI ({p}) per layer",
+                    "multiline": [f"^hdi/{re.escape(p)}/({layers})$", f"^hdi_chance/{re.escape(p)}$"],
+                }
+            )
+        categories: list[Category] = [{"title": "HDI", "closed": False, "charts": main}]
+        if activations:
+            categories.append(
+                {
+                    "title": "Head outputs",
+                    "closed": False,
+                    "charts": [
+                        {
+                            "title": f"{family.replace('_', ' ')}: mean over layers, min-max band",
+                            "margin": [(f"{family}/mean", f"{family}/min", f"{family}/max")],
+                        }
+                        for family in _SUMMARISED
+                    ],
+                }
+            )
+        categories.append(
+            {
+                "title": "Diversity events",
+                "closed": False,
+                "charts": [{"title": "events per measured step (0 = none)", "multiline": [r"^diversity_events/"]}],
+            }
+        )
+        categories.append({"title": "HDI per layer", "closed": True, "charts": per_layer})
+        if activations:
+            every = "|".join(re.escape(n) for n in sorted({n for names in layer_names.values() for n in names})) or "$^"
+            categories.append(
+                {
+                    "title": "Head outputs per layer",
+                    "closed": True,
+                    "charts": [
+                        {"title": f"{family.replace('_', ' ')} per layer", "multiline": [f"^{family}/({every})$"]}
+                        for family in _SUMMARISED
+                    ],
+                }
+            )
+        categories.append(
+            {
+                "title": "Head health (dead or non-finite heads, 0 when healthy)",
+                "closed": True,
+                "charts": [
+                    {"title": f"invalid heads ({p})", "multiline": [f"^invalid_heads/{re.escape(p)}/"]}
+                    for p in layer_names
+                ],
+            }
+        )
+        return {"categories": categories}
+
+    @staticmethod
+    def levels_text(report: DiversityReport, projections: Sequence[str]) -> str:
+        """The reference levels per projection, once, as a Markdown table (for the Text tab): the
+        chance level and the frame bound (the largest HDI the shapes allow), with their caveats."""
+        rows = ["| projection | chance level (mean over layers) | frame bound (lowest layer) |", "|---|---|---|"]
+        for p in projections:
+            chance = [la.chance_hdi[p] for la in report.layers if la.hdi.get(p) is not None]
+            caps = [cap for la in report.layers if (cap := la.max_hdi.get(p)) is not None]
+            c = f"{sum(chance) / len(chance):.4f}" if chance else "not measured"
+            b = "not measured" if not caps else f"{min(caps):.4f}" + (" (does not bind)" if min(caps) >= 1.0 else "")
+            rows.append(f"| {p} | {c} | {b} |")
+        return "\n".join(rows) + (
+            "\n\nThe chance level is the HDI of random Gaussian heads; with the spectral weighting it is "
+            "slightly biased low at small D * d. The frame bound is exact for the uniform overlap and holds "
+            "for the spectral one only for flat spectra. `hdi_max/<projection>` is logged only where it is "
+            "below 1."
+        )
+
+    # ------------------------------------------------------------------ scalars
+    @staticmethod
+    def summary_scalars(
+        scalars: dict[str, float],
+        report: DiversityReport,
+        events: Sequence[DiversityEvent],
+        *,
+        projections: Sequence[str],
+        detecting: bool,
+    ) -> dict[str, float]:
+        """Complete a measurement's scalars in place (and return them): ``<family>/min`` and
+        ``/max`` over layers beside each ``/mean``, ``diversity_events/<kind>`` counts (0 on a
+        measured step without events when a detector runs), and ``hdi_max/<projection>`` dropped
+        where the frame bound does not bind (1: the heads can all be orthogonal)."""
+        names = [la.name for la in report.layers]
+        families = [f"hdi/{p}" for p in projections] + list(_SUMMARISED)
+        for family in families:
+            values = [scalars[f"{family}/{n}"] for n in names if f"{family}/{n}" in scalars]
+            if values:
+                scalars[f"{family}/min"] = min(values)
+                scalars[f"{family}/max"] = max(values)
+        for p in projections:
+            if scalars.get(f"hdi_max/{p}", 0.0) >= 1.0:
+                del scalars[f"hdi_max/{p}"]
+        counts = dict.fromkeys(EVENT_KINDS, 0.0) if detecting else {}
+        for event in events:
+            counts[event.kind] = counts.get(event.kind, 0.0) + 1.0
+        scalars.update({f"diversity_events/{kind}": n for kind, n in counts.items()})
+        return scalars
+
+    # ------------------------------------------------------------------ pictures
+    def images(
+        self,
+        report: DiversityReport,
+        history: Sequence[Mapping[str, float]],
+        *,
+        step: int,
+        projections: Sequence[str],
+        activations: bool,
+    ) -> dict[str, bytes]:
+        """The PNG images of an image step (tags: `image_tags`).
+
+        Args:
+            report: this step's report (overlaps, correlations).
+            history: every measured step's scalars so far, this one included (``tracker.history``).
+            step: the step.
+            projections: the measured projections.
+            activations: draw the correlation image.
+        """
+        images: dict[str, bytes] = {}
+        for p in projections:
+            names, values, steps = self._map_values(report, history, p)
+            if names and steps:
+                chance = float(history[-1].get(f"hdi_chance/{p}", float("nan")))
+                if math.isfinite(chance) and 0.0 < chance < 1.0:
+                    images[f"diversity_map/{p}"] = diversity_map(
+                        values,
+                        layers=names,
+                        steps=steps,
+                        chance=chance,
+                        title=f"HDI ({p}) by layer and measured step (white: chance)",
+                    )
+            layers = [la for la in report.layers if p in la.overlap and la.overlap[p].shape[-1] >= 2]
+            current = {la.name: float(v) for la in layers if (v := la.hdi.get(p)) is not None}
+            picked = self._pick([la.name for la in layers], current, f"overlap/{p}")
+            if picked:
+                by_name = {la.name: la for la in layers}
+                images[f"overlap/{p}"] = tiled_heatmaps(
+                    [by_name[n].overlap[p] for n in picked],
+                    titles=[self._tile_title(n, current.get(n), "HDI", f"overlap/{p}") for n in picked],
+                    vmin=0.0,
+                    vmax=1.0,
+                    cmap="viridis",
+                    title=f"{p} subspace overlap of head pairs, step {step}{self._subset_note(picked, layers)}",
+                    colorbar_label="overlap (1: same subspace)",
+                )
+        if activations:
+            layers = [la for la in report.layers if la.correlation is not None and la.correlation.shape[-1] >= 2]
+            current = {la.name: float(la.effective_heads) for la in layers if la.effective_heads is not None}
+            picked = self._pick([la.name for la in layers], current, "correlation")
+            if picked:
+                by_name = {la.name: la for la in layers}
+                images["correlation"] = tiled_heatmaps(
+                    [by_name[n].correlation for n in picked],  # type: ignore[misc]
+                    titles=[self._tile_title(n, current.get(n), "H_eff", "correlation") for n in picked],
+                    vmin=-1.0,
+                    vmax=1.0,
+                    cmap="RdBu_r",
+                    title=f"head-output correlation, step {step}{self._subset_note(picked, layers)}",
+                    colorbar_label="correlation",
+                )
+        self._remember(report, projections)
+        return images
+
+    @staticmethod
+    def _map_values(
+        report: DiversityReport, history: Sequence[Mapping[str, float]], projection: str
+    ) -> tuple[list[str], Tensor, list[int]]:
+        prefix = f"hdi/{projection}/"
+        names = [la.name for la in report.layers if la.hdi.get(projection) is not None]
+        seen = set(names)
+        for entry in history:  # layers measured earlier but not now (removed, replaced) stay as rows
+            for key in entry:
+                if key.startswith(prefix):
+                    name = key[len(prefix) :]
+                    if name not in seen and name not in ("mean", "min", "max"):
+                        seen.add(name)
+                        names.append(name)
+        steps = [int(entry["step"]) for entry in history]
+        values = torch.tensor(
+            [[float(entry.get(prefix + n, float("nan"))) for entry in history] for n in names], dtype=torch.float64
+        ).reshape(len(names), len(steps))
+        return names, values, steps
+
+    def _pick(self, names: list[str], current: Mapping[str, float], key: str) -> list[str]:
+        """All layers, or the `max_image_layers` that moved most since the last image step (in
+        depth order); evenly spaced ones when there is no earlier value."""
+        k = self.max_image_layers
+        if len(names) <= k:
+            return names
+        before = self._last_image_values.get(key, {})
+        moved = {n: abs(current[n] - before[n]) for n in names if n in current and n in before}
+        if moved:
+            chosen = set(sorted(moved, key=lambda n: -moved[n])[:k])
+        else:
+            chosen = {names[round(i * (len(names) - 1) / (k - 1))] for i in range(k)} if k > 1 else {names[0]}
+        return [n for n in names if n in chosen]
+
+    def _tile_title(self, name: str, value: float | None, what: str, key: str) -> str:
+        if value is None:
+            return _short(name)
+        before = self._last_image_values.get(key, {}).get(name)
+        change = f" ({value - before:+.2f})" if before is not None else ""
+        return f"{_short(name, 34)}\n{what} {value:.3f}{change}"
+
+    def _subset_note(self, picked: list[str], layers: Sequence[Any]) -> str:
+        if len(picked) == len(layers):
+            return ""
+        moved = "that moved most since the last image" if self._last_image_values else "evenly spaced"
+        return f" ({len(picked)} of {len(layers)} layers, {moved})"
+
+    def _remember(self, report: DiversityReport, projections: Sequence[str]) -> None:
+        for p in projections:
+            self._last_image_values[f"overlap/{p}"] = {
+                la.name: float(v) for la in report.layers if (v := la.hdi.get(p)) is not None
+            }
+        self._last_image_values["correlation"] = {
+            la.name: float(la.effective_heads) for la in report.layers if la.effective_heads is not None
+        }
+
+    def histograms(self, angles: Mapping[str, Mapping[str, Tensor]]) -> dict[str, Tensor]:
+        """Principal-angle histograms: ``principal_angles_deg/<projection>/<layer>`` for up to
+        `max_histogram_layers` layers, else ``principal_angles_deg/<projection>/layers_<a>-<b>``
+        over adjacent layers ``a..b`` (indices in the model's layer order).
+
+        Args:
+            angles: projection -> layer name (in depth order) -> angles in degrees.
+        """
+        out: dict[str, Tensor] = {}
+        for p, per_layer in angles.items():
+            names = [n for n, v in per_layer.items() if v.numel()]
+            if len(names) <= self.max_histogram_layers:
+                out.update({f"principal_angles_deg/{p}/{n}": per_layer[n] for n in names})
+                continue
+            size = math.ceil(len(names) / self.max_histogram_layers)
+            for start in range(0, len(names), size):
+                group = names[start : start + size]
+                tag = f"principal_angles_deg/{p}/layers_{start}-{start + len(group) - 1}"
+                out[tag] = torch.cat([per_layer[n] for n in group])
+        return out
