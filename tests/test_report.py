@@ -234,7 +234,7 @@ def test_bad_arguments():
         head_diversity(nn.Linear(3, 3))
     with pytest.raises(ValueError, match="max_tokens"):
         head_diversity(model, inputs=torch.randn(1, 2, D), max_tokens=0)
-    rep = head_diversity(model)
+    rep = head_diversity(model, projections=("key",))
     with pytest.raises(ValueError, match="not in this report"):
         rep.mean_hdi("query")
     with pytest.raises(ValueError, match="unknown projection"):

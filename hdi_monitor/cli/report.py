@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--projections",
         action="append",
         metavar="P[,P...]",
-        help="projections to measure, comma-separated (or repeated): query, key, value, output, or 'all' (default: key)",
+        help="projections to measure, comma-separated (or repeated): query, key, value, output, or 'all' (default: all)",
     )
     parser.add_argument(
         "--weighting", choices=("spectral", "uniform"), default="spectral", help="subspace overlap (default: spectral)"
@@ -98,7 +98,7 @@ def _one_line(err: BaseException) -> str:
 
 
 def _projections(values: list[str] | None) -> tuple[str, ...]:
-    values = values or ["key"]
+    values = values or ["all"]
     items = [v.strip().lower() for value in values for v in value.split(",") if v.strip()]
     if items == ["all"]:
         return _PROJECTIONS
