@@ -96,7 +96,7 @@ def main() -> int:
         "An image step writes 2 x projections + 1 PNG images (here 9) whatever the depth: per projection a "
         "diversity map and a tiled overlap image (at most 16 layers), and one tiled correlation image, plus "
         "the principal-angle histograms (per layer up to 8 layers, else 8 groups). Steps that are not image "
-        "steps draw nothing.",
+        "steps draw nothing. Times depend on the machine (and on what else runs on it); bytes do not.",
         "",
     ]
     OUT.parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TABS = {
     "custom_scalars": ("#custom_scalars&_smoothingWeight=0", "dashboard_custom_scalars.png", 1500),
     "diversity_map": ("#images&tagFilter=diversity_map%2Fkey", "dashboard_diversity_map.png", 700),
-    "overlap": ("#images&tagFilter=%5Eoverlap%2Fkey%7C%5Ecorrelation", "dashboard_images.png", 1500),
+    "overlap": ("#images&tagFilter=%5Eoverlap%2Fkey%7C%5Ecorrelation", "dashboard_images.png", 1130),
     "scalars": ("#scalars&_smoothingWeight=0", "dashboard_scalars.png", 1100),
 }
 #: TensorBoard keeps "ignore outliers" in localStorage (a URL cannot set it): keep outliers in the
