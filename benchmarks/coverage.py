@@ -94,6 +94,7 @@ _SMALL = {
     "text_embed_dim": 32,
     "vision_embed_dim": 32,
     "rotary_dim": 4,
+    "num_key_value_attention_heads": 2,
 }
 #: Per-stage head counts (Swin-style tuples): every stage gets 4 heads (the stage widths 32 * 2^i split evenly).
 _STAGE_HEADS = ("num_heads", "num_attention_heads")
@@ -107,6 +108,7 @@ _KV_EQUALS_HEADS = frozenset(
     }
 )
 
+_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "hybrid_sliding"})
 _ATTENTION_CLASS = re.compile(r"(Attention|Attn)$")
 
 
@@ -116,15 +118,28 @@ def shrink(cfg, depth: int = 0):
         if isinstance(getattr(cfg, key, None), int) and not isinstance(getattr(cfg, key), bool):
             with contextlib.suppress(Exception):
                 setattr(cfg, key, value)
+    for key in ("head_dim", "num_key_value_heads"):  # None defaults that some models do not derive themselves
+        if key in vars(cfg) and getattr(cfg, key) is None:
+            with contextlib.suppress(Exception):
+                setattr(cfg, key, _SMALL[key])
     for key in _STAGE_HEADS:
         stages = getattr(cfg, key, None)
         if isinstance(stages, (list, tuple)) and stages and all(isinstance(v, int) for v in stages):
             with contextlib.suppress(Exception):
                 setattr(cfg, key, type(stages)([4] * len(stages)))
+    per_layer, heads = getattr(cfg, "num_key_value_heads_per_layer", None), getattr(cfg, "num_attention_heads", None)
+    if isinstance(per_layer, list) and isinstance(heads, int):  # computed at init from the unshrunk head count
+        cfg.num_key_value_heads_per_layer = [min(v, heads) for v in per_layer]
     if getattr(cfg, "model_type", None) in _KV_EQUALS_HEADS and isinstance(
         getattr(cfg, "num_attention_heads", None), int
     ):
         cfg.num_key_value_heads = cfg.num_attention_heads
+    types = getattr(cfg, "layer_types", None)
+    if isinstance(types, list) and isinstance(getattr(cfg, "num_hidden_layers", None), int):
+        # hybrids whose first attention layer comes later (Qwen3-Next: every 4th): keep layers up to it
+        first = next((i for i, t in enumerate(types) if t in _ATTENTION_LAYER_TYPES), None)
+        if first is not None and cfg.num_hidden_layers <= first < 8:
+            cfg.num_hidden_layers = first + 1
     if hasattr(cfg, "first_k_dense_replace"):
         cfg.first_k_dense_replace = 1
     if depth < 3:

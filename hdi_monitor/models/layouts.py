@@ -559,9 +559,9 @@ LAYOUTS: tuple[Layout, ...] = (
            kv_map="modulo", used_by="x-transformers Attention (GQA maps query head h to h % H_kv)"),
     Layout("wqkvo", "wo", "wq", "wk", "wv", used_by="Meta-reference style wq/wk/wv/wo"),
 )
-from hdi_monitor.models.layouts_more import MORE_LAYOUTS, MORE_REFUSED  # noqa: E402  (its entries need Layout)
+from hdi_monitor.models.layouts_more import MORE_REFUSED, merged  # noqa: E402  (its entries need Layout)
 
-LAYOUTS, REFUSED = LAYOUTS + MORE_LAYOUTS, REFUSED + MORE_REFUSED
+LAYOUTS, REFUSED = merged(LAYOUTS), REFUSED + MORE_REFUSED
 
 
 #: The model config of the discovery under way (for modules without a config of their own).

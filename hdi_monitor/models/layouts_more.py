@@ -23,10 +23,19 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from hdi_monitor.models.base import AdapterMismatch, AttentionLayer, WeightSource
-from hdi_monitor.models.layouts import Layout, _get, build_layer
-from hdi_monitor.models.weights import linear_weight
+from hdi_monitor.models.layouts import Layout, _get, build_layer, default_mask_key, resolve_heads
+from hdi_monitor.models.weights import in_features, linear_weight, out_features
 
-__all__ = ["MORE_LAYOUTS", "MORE_REFUSED", "NOT_ATTENTION", "SplitLayout", "codegen_split"]
+__all__ = [
+    "FIRST_IN_FAMILY",
+    "MORE_LAYOUTS",
+    "MORE_REFUSED",
+    "NOT_ATTENTION",
+    "GatedQueryLayout",
+    "merged",
+    "SplitLayout",
+    "codegen_split",
+]
 
 #: ``split(module, fused_weight, H, H_kv, d) -> (q, k, v)``, each ``nn.Linear`` layout, head-major.
 Splitter = Callable[[nn.Module, Tensor, int, int, int], tuple[Tensor, Tensor, Tensor]]
@@ -76,6 +85,56 @@ class SplitLayout(Layout):
             kv_map=layer.kv_map,
             projection_dims=layer.projection_dims,
             notes=layer.notes,
+        )
+
+
+@dataclass(frozen=True)
+class GatedQueryLayout(Layout):
+    """Separate q/k/v/o children where ``query`` also holds an output gate: its rows are ``(H, 2, d)``,
+    per head ``[q_h | g_h]`` (Qwen3-Next: ``q_proj(x).view(..., H, 2 d).chunk(2, -1)``, then
+    ``o * sigmoid(g)`` before ``o_proj``). The query heads are the ``q_h`` rows; the gate is not a
+    projection the HDI reads, and the hooked head outputs are the gated ones (input of ``o_proj``)."""
+
+    def build(self, name: str, module: nn.Module, root_config: Any = None, **given: Any) -> AttentionLayer:
+        """The `AttentionLayer` of a matched module (head counts from the module, checked against the rows)."""
+        paths = (self.query, self.key, self.value)
+        if not all(paths):
+            raise ValueError(f"GatedQueryLayout {self.family}: give query, key and value")
+        q, k, out = _get(module, paths[0] or ""), _get(module, paths[1] or ""), _get(module, self.output)
+        inner = in_features(out)
+        heads, kv, d = resolve_heads(
+            name, module, inner=inner, kv_rows=out_features(k), heads_at=self.heads_at, root_config=root_config,
+            num_heads=given.get("num_heads"), num_kv_heads=given.get("num_kv_heads"), head_dim=given.get("head_dim"),
+        )  # fmt: skip
+        if out_features(q) != 2 * heads * d:
+            raise AdapterMismatch(
+                f"{name}: {type(module).__name__}: query rows {out_features(q)} are not (H={heads}, 2, d={d})"
+            )
+
+        def source(path: str | None, gated: bool = False) -> WeightSource:
+            def read() -> Tensor:
+                w = linear_weight(_get(module, path or ""))
+                return rearrange(w, "(h two d) m -> two (h d) m", two=2, d=d)[0] if gated else w
+
+            return read
+
+        return AttentionLayer(
+            name,
+            module,
+            family=self.family,
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=d,
+            model_dim=out_features(out),
+            weights={
+                "query": source(paths[0], gated=True),
+                "key": source(paths[1]),
+                "value": source(paths[2]),
+                "output": source(self.output),
+            },
+            output_module=out,
+            mask_key=default_mask_key(name, module, root_config) if self.masked else None,
+            kv_map=self.kv_map,
         )
 
 
@@ -150,6 +209,54 @@ MORE_LAYOUTS: tuple[Layout, ...] = (
         used_by="Qwen2.5-Omni vision tower",
     ),
     Layout(
+        "funnel",
+        "post_proj",
+        "q_head",
+        "k_head",
+        "v_head",
+        classes=r"FunnelRelMultiheadAttention",
+        used_by="Funnel Transformer (content projections; relative-position and token-type terms left out)",
+    ),
+    Layout(
+        "cpmant",
+        "attention_out",
+        "project_q",
+        "project_k",
+        "project_v",
+        classes=r"CpmAntAttention",
+        used_by="CPM-Ant (position bias left out)",
+    ),
+    Layout(
+        "blip",
+        "projection",
+        qkv="qkv",
+        packing="contiguous",
+        classes=r"BlipAttention",
+        masked=False,
+        used_by="BLIP vision tower (qkv reshaped (3, H, d))",
+    ),
+    Layout(
+        "bert",
+        "attention.dense",
+        "attention.query",
+        "attention.key",
+        "attention.value",
+        classes=r"TvpEncodeLayer",
+        heads_at="attention",
+        used_by="TVP (TvpAttention holds q/k/v and its out-projection dense)",
+    ),
+    Layout(
+        "bert",
+        "output",
+        "longformer_self_attn.query",
+        "longformer_self_attn.key",
+        "longformer_self_attn.value",
+        classes=r"LEDEncoderAttention",
+        heads_at="longformer_self_attn",
+        used_by="LED encoder (local-attention projections, as Longformer; the global-token projections "
+        "query_global/key_global/value_global are not read)",
+    ),
+    Layout(
         "bark",
         "out_proj",
         qkv="att_proj",
@@ -189,7 +296,37 @@ MORE_LAYOUTS: tuple[Layout, ...] = (
     ),
 )
 
+#: Entries that must be tried before the built-in entries of their family (the structural ``llama``
+#: entry matches the same children but its widths do not fit).
+FIRST_IN_FAMILY: tuple[Layout, ...] = (
+    GatedQueryLayout(
+        "llama",
+        "o_proj",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        classes=r"(Qwen3Next|Qwen3_5|Qwen3_5Moe|Qwen4Exp\w*)Attention",
+        used_by="Qwen3-Next, Qwen3.5 full-attention layers (q_proj rows (H, [q|gate], d), output gate)",
+    ),
+)
+
+
+def merged(layouts: tuple[Layout, ...]) -> tuple[Layout, ...]:
+    """``layouts`` with each `FIRST_IN_FAMILY` entry put before the first entry of its family (the
+    order of the families is unchanged), then `MORE_LAYOUTS` appended."""
+    out = list(layouts)
+    for entry in FIRST_IN_FAMILY:
+        at = next((i for i, e in enumerate(out) if e.family == entry.family), len(out))
+        out.insert(at, entry)
+    return (*out, *MORE_LAYOUTS)
+
+
 MORE_REFUSED: tuple[tuple[str, str], ...] = (
+    (
+        r"Gemma(3n|4)AudioAttention",
+        "queries are scaled per channel by softplus(per_dim_scale), so its query heads are not row blocks of "
+        "q_proj. Not measured",
+    ),
     (
         r"DoryAttention",
         "queries are rescaled per channel by the learned `sqk` after the rotary embedding (and "
@@ -207,5 +344,5 @@ MORE_REFUSED: tuple[tuple[str, str], ...] = (
 #: attention: Mamba mixers (``in_proj`` packs z, x, B, C, dt), MLPs, a relative-position bias table, a
 #: multimodal projector. Discovery does not list them as unmeasured attention.
 NOT_ATTENTION = re.compile(
-    r"\w*Mamba\w*Mixer|FalconH1Mixer|\w*(MLP|Mlp)|\w*RelativeAttentionBias|\w*MultimodalProjection"
+    r"\w*ShortConv|\w*Mamba\w*Mixer|FalconH1Mixer|\w*(MLP|Mlp)|\w*RelativeAttentionBias|\w*MultimodalProjection"
 )
