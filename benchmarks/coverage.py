@@ -212,7 +212,10 @@ def prepare_check(model_type: str, model: nn.Module, batch: dict) -> str:
             for name, p in model.named_parameters():
                 if name.endswith("class_pos_emb"):
                     p.zero_()
-        return "check with class_pos_emb = 0 (MLCD's class token has a learned rotary angle at token 0)"
+        return (
+            "check with class_pos_emb = 0 (MLCD's class token has a learned rotary angle at token 0); 'gated': its "
+            "head outputs are sequence-first (T, B, H d), so the hooked o is not the kernel's (B, T) layout"
+        )
     return ""
 
 

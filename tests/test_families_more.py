@@ -472,3 +472,22 @@ def test_qwen3_next_gated_query_rows():
     assert all(s.class_name.endswith("GatedDeltaNet") or "Linear" in s.reason for s in found.skipped)
     result = run_and_check(model, layers, lambda: model(input_ids=_ids()))
     assert result == {"layers.3.self_attn": "ok (gated head outputs)"}
+
+
+def test_qwen2_5_omni_vision_attention_against_its_kernel():
+    cfg = transformers.models.qwen2_5_omni.configuration_qwen2_5_omni.Qwen2_5OmniVisionEncoderConfig(
+        hidden_size=D, num_heads=4, intermediate_size=37, depth=1
+    )
+    cfg._attn_implementation = "sdpa"
+    make = transformers.models.qwen2_5_omni.modeling_qwen2_5_omni.Qwen2_5OmniVisionAttention
+    module = _module(lambda: make(cfg))
+    layers = _discover(module, {"vit"})
+    assert (layers[0].num_heads, layers[0].head_dim, layers[0].mask_key) == (4, 8, None)
+    x = _x(T, D)  # unbatched tokens, as the vision tower runs
+    rotary = (torch.ones(T, 8), torch.zeros(T, 8))  # identity rotation: the check runs at every token
+    result = run_and_check(
+        module,
+        layers,
+        lambda: module(x, cu_seqlens=torch.tensor([0, T], dtype=torch.int32), position_embeddings=rotary),
+    )
+    assert result == {"": "ok"}
