@@ -18,6 +18,7 @@ from hdi_monitor.models.base import (
     registered_adapters,
 )
 from hdi_monitor.models.layouts import FUSED_NAMES, ROOT_CONFIG, class_refusal, fused_refusal
+from hdi_monitor.models.layouts_more import NOT_ATTENTION
 from hdi_monitor.models.spec import AttentionSpec, as_specs
 
 __all__ = ["Discovery", "discover_attention", "find_attention_layers", "skipped_message", "unwrapped_name"]
@@ -88,7 +89,7 @@ class Discovery:
 
 
 def _looks_like_attention(module: nn.Module) -> bool:
-    if next(module.parameters(), None) is None:
+    if next(module.parameters(), None) is None or NOT_ATTENTION.fullmatch(type(module).__name__):
         return False
     if _ATTENTION_CLASS.search(type(module).__name__):
         return True

@@ -612,6 +612,9 @@ LAYOUTS: tuple[Layout, ...] = (
     Layout("wqkvo", "wo", "wq", "wk", "wv", used_by="Meta-reference style wq/wk/wv/wo"),
 )
 # fmt: on
+from hdi_monitor.models.layouts_more import MORE_REFUSED, merged  # noqa: E402  (its entries need Layout)
+
+LAYOUTS, REFUSED = merged(LAYOUTS), REFUSED + MORE_REFUSED
 
 
 #: The model config of the discovery under way (for modules without a config of their own).
