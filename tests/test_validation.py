@@ -18,7 +18,9 @@ BAD = [
     ({"layers": 3}, TypeError, "layers must be a regex string or a sequence of qualified layer names"),
     ({"layers": ["a", 2]}, TypeError, "layers must be a regex string or a sequence"),
     ({"layers": []}, ValueError, r"layers=\[\] selects no attention layer"),
-    ({"spec": "bert"}, TypeError, "spec must be an AttentionSpec or None, got str"),
+    ({"spec": "bert"}, TypeError, "spec must be an AttentionSpec, a list of AttentionSpec or None, got str"),
+    ({"loss_tag": ""}, ValueError, "loss_tag must be a non-empty scalar tag or None"),
+    ({"max_image_layers": 0}, ValueError, "max_image_layers must be an integer >= 1"),
     ({"activations": "no"}, TypeError, "activations must be True or False, got 'no'"),
     ({"activations": 0}, TypeError, "activations must be True or False"),
     ({"strict": "yes"}, TypeError, "strict must be True or False"),
@@ -32,7 +34,7 @@ CALLBACK_BAD = [
     (
         {"patience": 5},
         TypeError,
-        r"'patience'.*the settings are every_n_steps, projections, .*seed; "
+        r"'patience'.*the settings are every_n_steps, projections, .*max_histogram_layers; "
         r"patience configure the detector: pass detector=SaturationDetector\(patience=...\)",
     ),
     ({"early_warning": False}, TypeError, "early_warning=False is detector=None"),
@@ -188,3 +190,23 @@ def test_default_activation_detector_follows_the_hdi_detector():
         default.min_delta,
         default.warmup_steps,
     )
+
+
+def test_config_takes_a_list_of_specs_and_the_dashboard_settings():
+    """`spec=` takes one spec or a list (as `head_diversity` does); the dashboard settings reach the
+    tracker's dashboard."""
+    from torch import nn
+
+    from hdi_monitor import AttentionSpec, HDITracker, MonitorConfig
+
+    one = AttentionSpec(modules=r"a$", query="q", key="k", value="v", output="o", num_heads=2)
+    two = AttentionSpec(modules=r"b$", query="q", key="k", value="v", output="o", num_heads=2)
+    assert MonitorConfig(spec=[one, two]).spec == (one, two)
+    assert MonitorConfig(spec=[one]).spec is one
+    tracker = HDITracker(
+        nn.MultiheadAttention(8, 2), MonitorConfig(loss_tag="train/loss", max_image_layers=3, max_histogram_layers=2)
+    )
+    dash = tracker.dashboard
+    assert (dash.loss_tag, dash.max_image_layers, dash.max_histogram_layers) == ("train/loss", 3, 2)
+    layout = dash.layout({"key": ["x"]}, activations=False)
+    assert r"^train/loss$" in str(layout)

@@ -20,6 +20,8 @@ from typing import Any, Literal
 from hdi_monitor._validation import check_bool, check_choice, check_choices, check_int, check_regex
 from hdi_monitor.functional.diversity import Weighting
 from hdi_monitor.models import PROJECTIONS, AttentionSpec
+from hdi_monitor.models.spec import as_specs
+from hdi_monitor.monitor.dashboard import DEFAULT_MAX_HISTOGRAM_LAYERS, DEFAULT_MAX_IMAGE_LAYERS
 from hdi_monitor.monitor.detector import DiversityEvent, SaturationDetector
 from hdi_monitor.report import Projection
 
@@ -60,7 +62,8 @@ class MonitorConfig:
         weighting: ``"spectral"`` (default, no SVD) or ``"uniform"`` subspace overlap.
         layers: keep only these attention layers: a regex searched in the qualified module names,
             or a sequence of exact names. None watches every layer.
-        spec: an `AttentionSpec` for models no built-in family knows.
+        spec: an `AttentionSpec`, or a list of them, for layouts no built-in family knows; specs
+            combine with the built-in families (a spec wins where both match).
         log_images_every_n_steps: overlap/correlation heatmaps and principal-angle histograms every
             this many steps (default ``10 * every_n_steps``; 0 turns them off).
         activations: also capture the measured step's head outputs (covariance, effective heads).
@@ -73,6 +76,12 @@ class MonitorConfig:
         seed: seed of the monitor's own ``torch.Generator`` (the token subsample). The global
             generators are never drawn from, so training is bit-identical with and without the
             monitor; the generator state is saved with the monitor's state for resume.
+        loss_tag: the scalar tag of the training loss charted beside the HDI in the Custom
+            Scalars tab (e.g. ``"train_loss"``); None charts every tag whose last word is ``loss``.
+        max_image_layers: at most this many layers per tiled overlap/correlation image (with more,
+            the layers whose HDI moved most since the last image step).
+        max_histogram_layers: layers with a principal-angle histogram of their own; with more,
+            adjacent layers are grouped into this many histograms.
 
     What needs the model (an attention layer found, a ``layers`` filter that matches) is checked
     when the tracker is set up, before the first step.
@@ -82,24 +91,29 @@ class MonitorConfig:
     projections: tuple[Projection, ...] = PROJECTIONS
     weighting: Weighting = "spectral"
     layers: str | tuple[str, ...] | None = None
-    spec: AttentionSpec | None = None
+    spec: AttentionSpec | tuple[AttentionSpec, ...] | None = None
     log_images_every_n_steps: int | None = None
     activations: bool = True
     max_tokens: int | None = 4096
     on_saturation: EventAction = "warn"
     strict: bool = False
     seed: int = 0
+    loss_tag: str | None = None
+    max_image_layers: int = DEFAULT_MAX_IMAGE_LAYERS
+    max_histogram_layers: int = DEFAULT_MAX_HISTOGRAM_LAYERS
 
     def __post_init__(self) -> None:
         check_int("every_n_steps", self.every_n_steps)
         object.__setattr__(self, "projections", check_choices("projections", self.projections, PROJECTIONS))
         check_choice("weighting", self.weighting, Weighting)
         object.__setattr__(self, "layers", _check_layers(self.layers))
-        if self.spec is not None and not isinstance(self.spec, AttentionSpec):
+        try:
+            specs = as_specs(self.spec)
+        except TypeError as err:
             raise TypeError(
-                f"spec must be an AttentionSpec or None, got {type(self.spec).__name__} {self.spec!r}; families are "
-                "found without one, a spec describes a layout they do not know"
-            )
+                f"{err} ({self.spec!r}); families are found without one, a spec describes a layout they do not know"
+            ) from None
+        object.__setattr__(self, "spec", None if not specs else specs[0] if len(specs) == 1 else specs)
         if self.log_images_every_n_steps is not None:
             check_int("log_images_every_n_steps", self.log_images_every_n_steps, low=0)
         if self.max_tokens is not None:
@@ -109,6 +123,10 @@ class MonitorConfig:
         check_bool("activations", self.activations)
         check_bool("strict", self.strict)
         check_int("seed", self.seed, low=0)
+        if self.loss_tag is not None and (not isinstance(self.loss_tag, str) or not self.loss_tag):
+            raise ValueError(f"loss_tag must be a non-empty scalar tag or None, got {self.loss_tag!r}")
+        check_int("max_image_layers", self.max_image_layers)
+        check_int("max_histogram_layers", self.max_histogram_layers)
 
     @property
     def image_every_n_steps(self) -> int:

@@ -320,7 +320,11 @@ class HDITracker:
         self._handles: list[Any] = []
         self._last_step = -1
         self._step = 0  # own step counter for step()/capture()
-        self.dashboard = Dashboard()  # layout, summary scalars, pictures (loss_tag, max_image_layers, ...)
+        self.dashboard = Dashboard(  # layout, summary scalars, pictures
+            loss_tag=config.loss_tag,
+            max_image_layers=config.max_image_layers,
+            max_histogram_layers=config.max_histogram_layers,
+        )
 
     # ------------------------------------------------------------------ public driving API
     @property
