@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from hdi_monitor.cli._common import CLIError
+from hdi_monitor.cli._common import CLIError, add_model_arguments
 
 HELP = "report the head diversity of a trained model (Hugging Face folder, Lightning checkpoint or state_dict)"
 
@@ -41,15 +41,7 @@ _TEXT_BATCH = 16  # lines per batch for --inputs text files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "path", metavar="PATH", help="Hugging Face model folder, Lightning checkpoint, or state_dict file"
-    )
-    parser.add_argument(
-        "--module", metavar="PACKAGE.CLASS", help="LightningModule class to rebuild a Lightning checkpoint"
-    )
-    parser.add_argument(
-        "--config", metavar="CONFIG", help="Hugging Face config.json (or its folder) for a plain state_dict"
-    )
+    add_model_arguments(parser)
     parser.add_argument(
         "--projections",
         action="append",
@@ -58,9 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--weighting", choices=("spectral", "uniform"), default="spectral", help="subspace overlap (default: spectral)"
-    )
-    parser.add_argument(
-        "--layers", metavar="REGEX", help="only attention layers whose qualified name matches this regex"
     )
     parser.add_argument(
         "--inputs",

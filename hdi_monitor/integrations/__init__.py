@@ -16,27 +16,19 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 from hdi_monitor.monitor.tracker import HDITracker, Measurement
 
-__all__ = ["HDITracker", "Measurement", "HDITrainerCallback"]
-
-_LAZY = {"HDITrainerCallback": "hdi_monitor.integrations.hf_trainer"}
+__all__ = ["HDITracker", "HDITrainerCallback", "Measurement"]
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hdi_monitor.integrations' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    if name == "HDITrainerCallback":  # imported on first use: transformers is an optional dependency
+        from hdi_monitor.integrations.hf_trainer import HDITrainerCallback
 
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+        return HDITrainerCallback
+    raise AttributeError(f"module 'hdi_monitor.integrations' has no attribute {name!r}")
 
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -94,6 +94,11 @@ def _short(name: str, limit: int = 30) -> str:
     return name if len(name) <= limit else "..." + name[-(limit - 3) :]
 
 
+def _collapsed(title: str, charts: Mapping[str, str]) -> Category:
+    """A Custom Scalars category, collapsed by default: one multiline chart per (title, regex)."""
+    return {"title": title, "closed": True, "charts": [{"title": t, "multiline": [r]} for t, r in charts.items()]}
+
+
 @dataclass
 class Dashboard:
     """Layout, summary scalars and pictures of one run (one per tracker).
@@ -172,26 +177,10 @@ class Dashboard:
         categories.append({"title": "HDI per layer", "closed": True, "charts": per_layer})
         if activations:
             every = "|".join(re.escape(n) for n in sorted({n for names in layer_names.values() for n in names})) or "$^"
-            categories.append(
-                {
-                    "title": "Head outputs per layer",
-                    "closed": True,
-                    "charts": [
-                        {"title": f"{family.replace('_', ' ')} per layer", "multiline": [f"^{family}/({every})$"]}
-                        for family in _SUMMARISED
-                    ],
-                }
-            )
-        categories.append(
-            {
-                "title": "Head health (dead or non-finite heads, 0 when healthy)",
-                "closed": True,
-                "charts": [
-                    {"title": f"invalid heads ({p})", "multiline": [f"^invalid_heads/{re.escape(p)}/"]}
-                    for p in layer_names
-                ],
-            }
-        )
+            per_family = {f"{f.replace('_', ' ')} per layer": f"^{f}/({every})$" for f in _SUMMARISED}
+            categories.append(_collapsed("Head outputs per layer", per_family))
+        health = {f"invalid heads ({p})": f"^invalid_heads/{re.escape(p)}/" for p in layer_names}
+        categories.append(_collapsed("Head health (dead or non-finite heads, 0 when healthy)", health))
         return {"categories": categories}
 
     @staticmethod

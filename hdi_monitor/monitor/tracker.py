@@ -29,21 +29,22 @@ optimizer step, where backward is known to be done.
 A measured step ``s`` reports the weights that produced step ``s``'s forward pass (measured in
 ``begin``, before the optimizer changes them) and the activations of that forward pass, so the HDI
 point at ``s`` sits beside the training loss of step ``s``.
+
+Size: about 750 lines, because `HDITracker` is the one stateful driver of a measurement
+(schedule, hooks, the agreement of ranks before and after every collective, publishing, state for
+resume), and splitting it would spread one state machine over several files. What is not that
+state machine lives beside it: layer revalidation in `hdi_monitor.monitor._layers`, warnings in
+`hdi_monitor.monitor._warnings`, the dashboards in `hdi_monitor.monitor.dashboard`, the settings in
+`hdi_monitor.monitor.config`.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import importlib.util
 import math
-import os
-import re
-import sys
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
 import torch
@@ -67,6 +68,8 @@ from hdi_monitor.models.hooks import (
     output_accumulator,
 )
 from hdi_monitor.models.sharding import is_fsdp1_module
+from hdi_monitor.monitor._layers import describe_change, heads_text, naming_hint, signature, submodule
+from hdi_monitor.monitor._warnings import summarize_events, warn
 from hdi_monitor.monitor.config import (
     ACTIVATION_COLLAPSE_DELTA,
     ACTIVATION_MIN_DELTA,
@@ -105,126 +108,6 @@ class _Pending:
     report: DiversityReport
     accumulators: list[HeadCovarianceAccumulator | None]
     forward_expected: bool = True  # False for weight-only measurements (step() without capture())
-
-
-# ---------------------------------------------------------------- layer revalidation
-
-
-def _signature(module: nn.Module | None, path: str | None) -> tuple[Any, ...]:
-    """What must stay the same for a watched layer to be still valid: where it sits in the model,
-    the module object itself, its submodules and its parameters' shapes (a cheap check, no
-    rediscovery)."""
-    if module is None:
-        return (path, None, (), ())
-    subs = tuple((n, id(m)) for n, m in module.named_modules())
-    shapes = tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
-    return (path, id(module), subs, shapes)
-
-
-def _submodule(model: nn.Module, path: str) -> nn.Module | None:
-    module: Any = model
-    for part in path.split(".") if path else ():
-        module = getattr(module, "_modules", {}).get(part)
-        if module is None:
-            return None
-    return module
-
-
-def _heads(layer: AttentionLayer) -> str:
-    kv = f", {layer.num_kv_heads} key/value heads" if layer.num_kv_heads != layer.num_heads else ""
-    return f"{layer.num_heads} heads of width {layer.head_dim}{kv}"
-
-
-def _describe_change(old: AttentionLayer, new: AttentionLayer | None) -> str:
-    if new is None:
-        return f"{old.name}: no longer an attention layer of the model; it is not measured any more"
-    what = "module replaced" if new.module is not old.module else "parameters changed"
-    if (new.num_heads, new.num_kv_heads, new.head_dim) != (old.num_heads, old.num_kv_heads, old.head_dim):
-        return f"{old.name}: {what}, {_heads(old)} -> {_heads(new)}; measuring the new module from now on"
-    return f"{old.name}: {what} ({_heads(new)}); measuring the new module from now on"
-
-
-def _naming_hint(model: nn.Module, limit: int = 10) -> str:
-    names = [n for n, _ in model.named_modules() if n]
-    likely = [n for n in names if re.search(r"attn|attention", n, re.IGNORECASE)]
-    shown = (likely or names)[:limit]
-    more = ", ..." if len(likely or names) > limit else ""
-    return (
-        f"\nModules of this model{' that look like attention' if likely else ''}: {', '.join(shown)}{more}. "
-        "Select layers with layers=<regex or list of these names>, or describe a layout the built-in families "
-        "do not know with spec=hdi_monitor.AttentionSpec(modules=..., query=..., key=..., value=..., output=..., "
-        "num_heads=...)."
-    )
-
-
-# ---------------------------------------------------------------- warnings
-
-
-_INTERNAL_PACKAGES = (
-    "hdi_monitor",
-    "torch",
-    "lightning",
-    "lightning_fabric",
-    "pytorch_lightning",
-    "transformers",
-    "accelerate",
-)
-_internal_prefixes: tuple[str, ...] | None = None
-
-
-def _internal() -> tuple[str, ...]:
-    global _internal_prefixes
-    if _internal_prefixes is None:
-        prefixes = [contextlib.__file__]
-        for name in _INTERNAL_PACKAGES:
-            with contextlib.suppress(Exception):
-                spec = importlib.util.find_spec(name)
-                for location in (spec.submodule_search_locations or []) if spec else []:
-                    prefixes.append(os.path.join(location, ""))
-        _internal_prefixes = tuple(prefixes)
-    return _internal_prefixes
-
-
-def _warn(message: str, category: type[Warning], *, rank_zero_only: bool = False) -> None:
-    """``warnings.warn`` attributed to the first frame outside hdi-monitor, torch, Lightning and
-    transformers (the user's ``trainer.fit`` or loop line). With ``rank_zero_only`` (for what every
-    rank sees alike: events, layer changes) only rank 0 warns under torch.distributed; a failure of
-    one rank is warned on that rank."""
-    import torch.distributed as dist
-
-    if rank_zero_only and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        return
-    internal = _internal()
-    frame: FrameType | None = sys._getframe(1)
-    level = 2
-    while frame is not None and frame.f_code.co_filename.startswith(internal):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level)
-
-
-def summarize_events(step: int, events: Sequence[DiversityEvent]) -> str:
-    """One line for the events of one measured step, e.g. ``"hdi-monitor step 650: collapse in 3
-    layers, 2 redundant head pairs; ..."``; the full messages are in the Text tab and ``events``."""
-    parts = []
-    for kind in ("saturation", "collapse"):
-        layers = {e.layer for e in events if e.kind == kind}
-        if layers:
-            named = layers - {"mean"}
-            where = f"{len(named)} layer{'s' if len(named) != 1 else ''}" if named else ""
-            if "mean" in layers:
-                where = f"{where} and the model mean" if where else "the model mean"
-            parts.append(f"{kind} in {where}")
-    redundant = [e for e in events if e.kind == "redundancy"]
-    if redundant:
-        pairs = sum(len(e.pairs) for e in redundant)
-        count = len({e.layer for e in redundant})
-        parts.append(
-            f"{pairs} redundant head pair{'s' if pairs != 1 else ''} in {count} layer{'s' if count != 1 else ''}"
-        )
-    return (
-        f"hdi-monitor step {step}: {', '.join(parts)}; see the Text tab (diversity_events/*) or monitor.events "
-        "for the full messages"
-    )
 
 
 class HDITracker:
@@ -347,7 +230,7 @@ class HDITracker:
             found = find_attention_layers(self.model, spec=self.spec, layers=self.layer_filter)
         except ValueError as err:
             raise ValueError(
-                f"hdi-monitor cannot watch {type(self.model).__name__}: {err}{_naming_hint(self.model)}"
+                f"hdi-monitor cannot watch {type(self.model).__name__}: {err}{naming_hint(self.model)}"
             ) from err
         self._set_layers(found)
         return found
@@ -355,7 +238,7 @@ class HDITracker:
     def _set_layers(self, layers: list[AttentionLayer]) -> None:
         paths = {id(m): n for n, m in self.model.named_modules()}
         self._layers = layers
-        self._signatures = [_signature(la.module, paths.get(id(la.module))) for la in layers]
+        self._signatures = [signature(la.module, paths.get(id(la.module))) for la in layers]
 
     def _revalidate(self) -> list[AttentionLayer]:
         """Check, cheaply, that every watched layer is still the module in the model with the same
@@ -364,7 +247,7 @@ class HDITracker:
         stale = [
             la
             for la, sig in zip(layers, self._signatures, strict=True)
-            if sig[0] is None or _signature(_submodule(self.model, sig[0]), sig[0]) != sig
+            if sig[0] is None or signature(submodule(self.model, sig[0]), sig[0]) != sig
         ]
         if not stale:
             return layers
@@ -376,9 +259,9 @@ class HDITracker:
         new = {la.name: la for la in found}
         old = {la.name: la for la in layers}
         for la in stale:
-            self._notes.append(_describe_change(la, new.get(la.name)))
+            self._notes.append(describe_change(la, new.get(la.name)))
         for name in new.keys() - old.keys():
-            self._notes.append(f"{name}: new attention layer, measured from now on ({_heads(new[name])})")
+            self._notes.append(f"{name}: new attention layer, measured from now on ({heads_text(new[name])})")
         self._set_layers(found)
         return found
 
@@ -565,7 +448,7 @@ class HDITracker:
             self._pending = None
             if self.strict:
                 raise
-            _warn(
+            warn(
                 f"hdi-monitor: error while {what}; training goes on, this measurement is skipped "
                 f"({type(err).__name__}: {err}). Pass strict=True to raise instead.",
                 MonitoringWarning,
@@ -585,7 +468,7 @@ class HDITracker:
         if self._pending is None:
             return  # already dropped (and warned) by an earlier hook of this forward pass
         self._pending = None
-        _warn(
+        warn(
             f"hdi-monitor: error while capturing head outputs; training goes on, this measurement is skipped "
             f"({type(err).__name__}: {err}). Pass strict=True to raise instead.",
             MonitoringWarning,
@@ -637,11 +520,11 @@ class HDITracker:
         self.events.extend(events)
         self.last_measurement = measurement
         self._last_step = max(self._last_step, step)
-        self._note_invalid_heads(report)
+        self._note_invalidheads_text(report)
         notes, self._notes = self._notes, []
         if notes:
             lines = "\n  ".join(notes)
-            _warn(
+            warn(
                 f"hdi-monitor step {step}: {len(notes)} change(s) in the watched layers:\n  {lines}",
                 MonitoringWarning,
                 rank_zero_only=True,
@@ -650,7 +533,7 @@ class HDITracker:
         self._write(measurement, *pictures)
         return measurement
 
-    def _note_invalid_heads(self, report: DiversityReport) -> None:
+    def _note_invalidheads_text(self, report: DiversityReport) -> None:
         """One note the first time a layer and projection has dead (all-zero) or non-finite heads."""
         for layer in report.layers:
             for projection in self.projections:
@@ -673,7 +556,7 @@ class HDITracker:
         if self.strict:
             raise err
         reason = f"{type(err).__name__}: {err}"
-        _warn(
+        warn(
             f"hdi-monitor: error while {what}; training goes on, this measurement is skipped ({reason}). "
             "Pass strict=True to raise instead.",
             MonitoringWarning,
@@ -684,7 +567,7 @@ class HDITracker:
         missed = [la.name for la, n in zip(self.layers, self.last_token_counts, strict=False) if n == 0]
         shown = ", ".join(missed[:3]) + (", ..." if len(missed) > 3 else "")
         self.activations = False
-        _warn(
+        warn(
             f"hdi-monitor: the model runs under torch.compile and the head-output hooks of {len(missed)} "
             f"layer(s) ({shown}) did not run inside the compiled forward (Dynamo does not see hooks attached "
             "after compilation). Activation statistics (covariance, effective heads) are off from now on; the "
@@ -832,7 +715,7 @@ class HDITracker:
                 first_error = first_error or err
                 if id(sink) not in self._failed_sinks and not self.strict:
                     self._failed_sinks.add(id(sink))
-                    _warn(
+                    warn(
                         f"hdi-monitor: sink {type(sink).__name__} failed at step {m.step} ({type(err).__name__}: {err}); "
                         "its write is skipped, the other sinks, history and events are kept. Later failures of "
                         "this sink are not reported again.",
@@ -853,7 +736,7 @@ class HDITracker:
         if self.on_saturation == "stop" and any(e.kind in ("saturation", "collapse") for e in events):
             self.stop_requested = True
         message = events[0].message if len(events) == 1 else summarize_events(step, events)
-        _warn(message, DiversityWarning, rank_zero_only=True)
+        warn(message, DiversityWarning, rank_zero_only=True)
 
 
 def _is_compiled(model: nn.Module) -> bool:

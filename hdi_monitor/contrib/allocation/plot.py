@@ -38,25 +38,13 @@ def plot_allocation(
         color="tab:blue",
         label="feasible splits",
     )
-    ax.plot(
-        [rec.head_dim],
-        [rec.predicted_loss],
-        "*",
-        ms=16,
-        color="tab:green",
-        label=f"best: H={rec.num_heads}, d_k={rec.head_dim}",
-    )
+    best = {"marker": "*", "ms": 16, "color": "tab:green", "linestyle": "none"}
+    ax.plot([rec.head_dim], [rec.predicted_loss], label=f"best: H={rec.num_heads}, d_k={rec.head_dim}", **best)
     if rec.current is not None:
         cur = rec.current
+        current = {"marker": "s", "ms": 10, "mfc": "none", "mec": "tab:red", "mew": 2, "linestyle": "none"}
         ax.plot(
-            [cur.head_dim],
-            [cur.predicted_loss],
-            "s",
-            ms=10,
-            mfc="none",
-            mec="tab:red",
-            mew=2,
-            label=f"current: H={cur.num_heads}, d_k={cur.head_dim}",
+            [cur.head_dim], [cur.predicted_loss], label=f"current: H={cur.num_heads}, d_k={cur.head_dim}", **current
         )
     ax.axvline(rec.continuous_head_dim, color="gray", ls=":", label=f"continuous d_k*={rec.continuous_head_dim:.3g}")
     ax.set(

@@ -1,0 +1,82 @@
+"""The tracker's warnings: attributed to the user's code, rank-zero aware, one summary per step."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from types import FrameType
+
+from hdi_monitor.monitor.detector import DiversityEvent
+
+__all__ = ["summarize_events", "warn"]
+
+
+_INTERNAL_PACKAGES = (
+    "hdi_monitor",
+    "torch",
+    "lightning",
+    "lightning_fabric",
+    "pytorch_lightning",
+    "transformers",
+    "accelerate",
+)
+_internal_prefixes: tuple[str, ...] | None = None
+
+
+def _internal() -> tuple[str, ...]:
+    global _internal_prefixes
+    if _internal_prefixes is None:
+        prefixes = [contextlib.__file__]
+        for name in _INTERNAL_PACKAGES:
+            with contextlib.suppress(Exception):
+                spec = importlib.util.find_spec(name)
+                for location in (spec.submodule_search_locations or []) if spec else []:
+                    prefixes.append(os.path.join(location, ""))
+        _internal_prefixes = tuple(prefixes)
+    return _internal_prefixes
+
+
+def warn(message: str, category: type[Warning], *, rank_zero_only: bool = False) -> None:
+    """``warnings.warn`` attributed to the first frame outside hdi-monitor, torch, Lightning and
+    transformers (the user's ``trainer.fit`` or loop line). With ``rank_zero_only`` (for what every
+    rank sees alike: events, layer changes) only rank 0 warns under torch.distributed; a failure of
+    one rank is warned on that rank."""
+    import torch.distributed as dist
+
+    if rank_zero_only and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    internal = _internal()
+    frame: FrameType | None = sys._getframe(1)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(internal):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+def summarize_events(step: int, events: Sequence[DiversityEvent]) -> str:
+    """One line for the events of one measured step, e.g. ``"hdi-monitor step 650: collapse in 3
+    layers, 2 redundant head pairs; ..."``; the full messages are in the Text tab and ``events``."""
+    parts = []
+    for kind in ("saturation", "collapse"):
+        layers = {e.layer for e in events if e.kind == kind}
+        if layers:
+            named = layers - {"mean"}
+            where = f"{len(named)} layer{'s' if len(named) != 1 else ''}" if named else ""
+            if "mean" in layers:
+                where = f"{where} and the model mean" if where else "the model mean"
+            parts.append(f"{kind} in {where}")
+    redundant = [e for e in events if e.kind == "redundancy"]
+    if redundant:
+        pairs = sum(len(e.pairs) for e in redundant)
+        count = len({e.layer for e in redundant})
+        parts.append(
+            f"{pairs} redundant head pair{'s' if pairs != 1 else ''} in {count} layer{'s' if count != 1 else ''}"
+        )
+    return (
+        f"hdi-monitor step {step}: {', '.join(parts)}; see the Text tab (diversity_events/*) or monitor.events "
+        "for the full messages"
+    )
