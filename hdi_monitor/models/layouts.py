@@ -1,9 +1,9 @@
-"""Family knowledge as data: one `Layout` entry per attention layout, and the code that reads one.
+"""Family knowledge as data: one `Layout` entry per attention layout, and the refusals.
 
 A layout entry names the children of an attention module that hold its projections (separate
 ``query``/``key``/``value`` children or one fused ``qkv`` child), how a fused projection packs its
 rows (`Packing`), the out-projection child, and where the head counts live. `LAYOUTS`
-is the built-in table; `build_layer` turns a matched module into an
+is the built-in table; `hdi_monitor.models.layout.build_layer` turns a matched module into an
 `AttentionLayer`, reading head counts from the module (or the child
 named by ``heads_at``), then its ``config``, then the model's ``config`` (only for modules without
 one), and checking every count against the weights' shapes.
@@ -12,19 +12,8 @@ Fused layouts differ by family and cannot be told apart by shape, so a fused ent
 to module classes; a module with a fused child that no entry knows is refused (see
 `fused_refusal`), never guessed.
 
-Size: about 300 of the module's lines are the `LAYOUTS` data table (one entry per layout, kept
-one field per line); the code that reads an entry is the rest.
-
-Fused row layouts (``nn.Linear`` rows, ``H`` query heads, ``H_kv`` key/value heads, width ``d``):
-
-* ``"contiguous"``: ``[q (H d) | k (H_kv d) | v (H_kv d)]``, each head-major (GPT-2, Phi-3, litgpt,
-  timm, ``nn.MultiheadAttention``).
-* ``"interleaved"``: ``(H, 3, d)``: head ``h``'s q, k, v rows next to each other (GPT-NeoX, Bloom,
-  GPTBigCode without multi-query, Falcon old architecture without multi-query).
-* ``"grouped"``: ``(H_kv, H / H_kv + 2, d)``: per key/value group its query heads, then its key and
-  value (Falcon new decoder architecture).
-* ``"multi_query"``: ``[q (H d) | k (d) | v (d)]``, ``H_kv = 1`` (GPTBigCode and Falcon with
-  multi-query).
+The code that reads an entry lives in `hdi_monitor.models.layout`; more entries are in
+`hdi_monitor.models.layouts_more`.
 """
 
 from __future__ import annotations
@@ -32,15 +21,26 @@ from __future__ import annotations
 import contextvars
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal, get_args
+from typing import Any
 
-from einops import rearrange
-from torch import Tensor, nn
+from torch import nn
 
-from hdi_monitor.models.base import Adapter, AdapterMismatch, AttentionLayer, KVMap, WeightSource
-from hdi_monitor.models.weights import base_layer, in_features, is_conv1d, is_projection, linear_weight, out_features
+from hdi_monitor.models.base import Adapter, AdapterMismatch, AttentionLayer, KVMap
+from hdi_monitor.models.layout import (
+    FUSED_NAMES,
+    PACKINGS,
+    Layout,
+    Packing,
+    _positive_int,
+    build_layer,
+    default_mask_key,
+    is_vision_module,
+    resolve_heads,
+    split_fused,
+)
+from hdi_monitor.models.layouts_more import MORE_REFUSED, merged
+from hdi_monitor.models.weights import base_layer, in_features, is_conv1d, is_projection, out_features
 
 __all__ = [
     "FUSED_NAMES",
@@ -61,416 +61,7 @@ __all__ = [
     "split_fused",
 ]
 
-Packing = Literal["contiguous", "interleaved", "grouped", "multi_query"]
-PACKINGS: tuple[Packing, ...] = get_args(Packing)
 
-#: Attribute names that hold head counts and widths, tried in order (module, then its config).
-HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "heads")
-KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads", "n_query_groups")
-DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim", "dim_head", "d_kv")
-
-#: Child names that hold a fused q/k/v projection in some family.
-FUSED_NAMES = ("qkv", "c_attn", "query_key_value", "qkv_proj", "Wqkv", "W_pack", "to_qkv", "in_proj", "qkv_linear")
-
-_VISION_CLASS = re.compile(r"^(ViT|Vit|DeiT|Deit|Dinov2|Dinov2WithRegisters|\w*Vision)\w*Attention$")
-
-
-def _get(module: nn.Module, path: str | None) -> Any:
-    obj: Any = module
-    for part in path.split(".") if path else ():
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
-
-
-def _positive_int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
-
-
-def _lookup(holders: list[Any], names: tuple[str, ...]) -> tuple[int | None, str]:
-    for holder, where in holders:
-        if holder is None:
-            continue
-        for n in names:
-            v = _positive_int(getattr(holder, n, None))
-            if v is not None:
-                return v, f"{where}.{n}"
-    return None, ""
-
-
-def _from_config(where: str | None) -> bool:
-    """Whether a `_lookup` location is a config (the module's own or the model's), not the module."""
-    return where is not None and where.startswith(("config.", "model.config."))
-
-
-def _holders(module: nn.Module, heads_at: str, root_config: Any) -> list[tuple[Any, str]]:
-    holder = _get(module, heads_at) if heads_at else module
-    out: list[tuple[Any, str]] = [(holder, type(holder).__name__)]
-    if holder is not module:
-        out.append((module, type(module).__name__))
-    own = getattr(holder, "config", None) or getattr(module, "config", None)
-    if own is not None and not isinstance(own, nn.Module):
-        out.append((own, "config"))
-    elif root_config is not None:
-        out.append((root_config, "model.config"))
-    return out
-
-
-def resolve_heads(
-    name: str,
-    module: nn.Module,
-    *,
-    inner: int,
-    kv_rows: int | None = None,
-    fused_rows: int | None = None,
-    packing: Packing | None = None,
-    heads_at: str = "",
-    root_config: Any = None,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
-) -> tuple[int, int, int]:
-    """``(H, H_kv, d)`` of one attention module, from the given values, the module, or ``config``.
-
-    ``inner`` is ``H * d`` (the out-projection's input width); ``kv_rows`` is ``H_kv * d`` for
-    separate key/value projections, ``fused_rows`` the fused projection's row count with its
-    ``packing``. Every count found is checked against these widths.
-
-    Raises:
-        AdapterMismatch: no head count is known, or the counts do not fit the weights.
-    """
-    holders = _holders(module, heads_at, root_config)
-    where = {}
-    if head_dim is None:
-        head_dim, where["head_dim"] = _lookup(holders, DIM_ATTRS)
-    if num_heads is None:
-        num_heads, where["num_heads"] = _lookup(holders, HEADS_ATTRS)
-    if num_kv_heads is None:
-        num_kv_heads, where["num_kv_heads"] = _lookup(holders, KV_ATTRS)
-    cls = type(module).__name__
-    if head_dim is not None and inner % head_dim == 0:
-        heads = inner // head_dim
-        if (
-            num_heads is not None
-            and num_heads != heads
-            and _from_config(where.get("num_heads"))
-            and not _from_config(where.get("head_dim"))
-        ):
-            # the module's own head_dim against a count from the config it shares with its siblings
-            # (a pruned Llama layer has fewer heads than config.num_attention_heads): the module wins
-            num_heads = heads
-        elif num_heads is not None and num_heads != heads and where.get("head_dim"):
-            # a head_dim read from config may describe another width (e.g. a partial rotary dim)
-            if inner % num_heads:
-                raise AdapterMismatch(
-                    f"{name}: {cls} has {inner} head-output features, which fit neither "
-                    f"{num_heads} heads ({where.get('num_heads') or 'given'}) nor head_dim {head_dim}"
-                )
-            heads, head_dim = num_heads, inner // num_heads
-        elif num_heads is not None and num_heads != heads:
-            raise AdapterMismatch(
-                f"{name}: {cls}: {num_heads} heads x head_dim {head_dim} != {inner} head-output features"
-            )
-    elif num_heads is None and head_dim is not None:
-        raise AdapterMismatch(f"{name}: {cls}: {inner} head-output features are not a multiple of head_dim {head_dim}")
-    elif num_heads is not None:
-        if inner % num_heads:
-            raise AdapterMismatch(f"{name}: {cls}: {inner} head-output features do not split into {num_heads} heads")
-        heads, head_dim = num_heads, inner // num_heads
-    else:
-        raise AdapterMismatch(
-            f"{name}: {cls} has no head count: none of the attributes {HEADS_ATTRS + DIM_ATTRS} on the module or "
-            "its config; pass AttentionSpec(num_heads=...)"
-        )
-    if fused_rows is not None:
-        if packing == "interleaved":
-            kv = heads
-        elif packing == "multi_query":
-            kv = 1
-        else:
-            rest = fused_rows - heads * head_dim
-            kv = rest // (2 * head_dim) if rest > 0 and rest % (2 * head_dim) == 0 else 0
-        if kv < 1 or fused_rows != (heads + 2 * kv) * head_dim:
-            raise AdapterMismatch(
-                f"{name}: {cls}: fused projection has {fused_rows} rows, which is not the {packing} packing of "
-                f"{heads} query heads of width {head_dim}"
-            )
-    elif kv_rows is not None:
-        if kv_rows % head_dim:
-            raise AdapterMismatch(f"{name}: {cls}: key/value width {kv_rows} is not a multiple of head_dim {head_dim}")
-        kv = kv_rows // head_dim
-    else:
-        kv = num_kv_heads or heads
-    if (
-        num_kv_heads is not None
-        and num_kv_heads != kv
-        and not where.get("num_kv_heads", "").startswith(("config.", "model.config."))
-    ):
-        # given, or an attribute of the module itself: a contradiction. (A config attribute that the
-        # module does not use, e.g. num_key_value_heads of an encoder-decoder, yields to the weights.)
-        raise AdapterMismatch(f"{name}: {cls}: {num_kv_heads} key/value heads given, the weights have {kv}")
-    if heads % kv:
-        raise AdapterMismatch(f"{name}: {cls}: {heads} query heads are not a multiple of {kv} key/value heads")
-    return heads, kv, head_dim
-
-
-def split_fused(w: Tensor, packing: Packing, heads: int, kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Split a fused q/k/v weight ``((H + 2 H_kv) d, D_in)`` into head-major q, k, v weights.
-
-    Returns ``(H d, D_in)``, ``(H_kv d, D_in)``, ``(H_kv d, D_in)`` in ``nn.Linear`` layout, rows
-    ``[h d:(h+1) d]`` being head ``h`` (query head ``h`` of group ``h // (H / H_kv)``).
-    """
-    if packing in ("contiguous", "multi_query"):
-        q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
-        return w[:q_rows], w[q_rows : q_rows + kv_rows], w[q_rows + kv_rows :]
-    if packing == "interleaved":
-        parts = rearrange(w, "(h three d) m -> three (h d) m", three=3, d=head_dim)
-        return parts[0], parts[1], parts[2]
-    if packing == "grouped":
-        g = heads // kv_heads
-        parts = rearrange(w, "(k s d) m -> s k d m", s=g + 2, d=head_dim)
-        q = rearrange(parts[:g], "s k d m -> (k s d) m")
-        return q, rearrange(parts[g], "k d m -> (k d) m"), rearrange(parts[g + 1], "k d m -> (k d) m")
-    raise ValueError(f"unknown packing {packing!r}; choose from {PACKINGS}")
-
-
-def is_vision_module(name: str, module: nn.Module) -> bool:
-    """A module of a vision tower: its ``config`` has ``image_size``/``patch_size``, or its class or
-    qualified name says so."""
-    cfg = getattr(module, "config", None)
-    if cfg is not None and hasattr(cfg, "patch_size") and hasattr(cfg, "image_size"):
-        return True
-    if _VISION_CLASS.match(type(module).__name__):
-        return True
-    return any(part.startswith(("vision", "visual", "image_encoder")) for part in name.split("."))
-
-
-def default_mask_key(name: str, module: nn.Module, root_config: Any) -> str | None:
-    """The batch key of this layer's query-token mask: None for vision towers; the decoder's mask
-    (``decoder_attention_mask``) for the decoder of an encoder-decoder model; else ``attention_mask``."""
-    if is_vision_module(name, module):
-        return None
-    if bool(getattr(root_config, "is_encoder_decoder", False)):
-        parts = name.split(".")
-        if any(p == "decoder" or p.startswith("decoder_") for p in parts) or bool(getattr(module, "is_decoder", False)):
-            return "decoder_attention_mask"
-    return "attention_mask"
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One declarative family entry.
-
-    Attributes:
-        family: label written into reports.
-        output: dotted path of the out-projection child (its input is the concatenated head output).
-        query, key, value: dotted paths of separate projection children.
-        qkv: dotted path of a fused q/k/v child (instead of ``query``/``key``/``value``).
-        packing: how ``qkv`` packs its rows (`Packing`).
-        cross_query: for cross-attention that keeps the query apart and packs ``[k | v]`` in ``qkv``.
-        classes: regex that the module's class name must fully match; None for a structural entry
-            (any class with these children). Fused entries always name their classes.
-        module_prefix: the class's Python module must start with this (e.g. ``"litgpt"``).
-        when: extra condition on the module (e.g. ``config.multi_query``).
-        vision: True / False: only vision / only non-vision modules; None: both.
-        heads_at: dotted path of the child holding the head-count attributes ("" = the module).
-        kv_map: query head ``h`` reads key/value head ``h // (H / H_kv)`` (``"block"``) or
-            ``h % H_kv`` (``"modulo"``, x-transformers).
-        masked: False for families without token masks (timm vision models): ``mask_key`` is None.
-        used_by: the models this entry covers, for errors and docs.
-    """
-
-    family: str
-    output: str
-    query: str | None = None
-    key: str | None = None
-    value: str | None = None
-    qkv: str | None = None
-    packing: Packing | None = None
-    cross_query: str | None = None
-    classes: str | None = None
-    module_prefix: str | None = None
-    when: Callable[[nn.Module], bool] | None = None
-    vision: bool | None = None
-    heads_at: str = ""
-    kv_map: KVMap = "block"
-    masked: bool = True
-    used_by: str = ""
-    _classes: re.Pattern | None = field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        separate = (self.query, self.key, self.value)
-        if self.qkv is None and not all(separate):
-            raise ValueError(f"Layout {self.family}: give query, key and value, or qkv")
-        if self.qkv is not None and self.packing not in PACKINGS:
-            raise ValueError(f"Layout {self.family}: a fused qkv needs packing in {PACKINGS}")
-        if self.qkv is not None and self.classes is None:
-            raise ValueError(f"Layout {self.family}: a fused layout must name its classes (shape cannot tell it)")
-        if self.classes is not None:
-            object.__setattr__(self, "_classes", re.compile(self.classes))
-
-    def children(self) -> tuple[str, ...]:
-        names = (self.qkv, self.cross_query) if self.qkv else (self.query, self.key, self.value)
-        return tuple(n for n in names if n) + (self.output,)
-
-    def matches(self, name: str, module: nn.Module) -> bool:
-        """Whether ``module`` has this layout (class, children and conditions; no weight values read)."""
-        cls = type(module)
-        if self._classes is not None and not self._classes.fullmatch(cls.__name__):
-            return False
-        if self.module_prefix is not None and not cls.__module__.startswith(self.module_prefix):
-            return False
-        if not all(is_projection(_get(module, p)) for p in self.children()):
-            return False
-        if self.vision is not None and is_vision_module(name, module) != self.vision:
-            return False
-        return self.when is None or bool(self.when(module))
-
-    def build(self, name: str, module: nn.Module, root_config: Any = None, **given: Any) -> AttentionLayer:
-        """The `AttentionLayer` of a matched module (head counts resolved and checked)."""
-        return build_layer(self, name, module, root_config=root_config, **given)
-
-
-def _source(module: nn.Module, path: str | None) -> WeightSource:
-    return lambda: linear_weight(_get(module, path))
-
-
-def build_layer(
-    layout: Layout,
-    name: str,
-    module: nn.Module,
-    *,
-    root_config: Any = None,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
-    mask_key: str | None | Literal["auto"] = "auto",
-    family: str | None = None,
-) -> AttentionLayer:
-    """Build the layer of ``module`` under ``layout`` (see `resolve_heads` for the head counts)."""
-    out_mod = _get(module, layout.output)
-    inner = in_features(out_mod)
-    weights: dict[str, WeightSource]
-    dims: dict[str, int] | None = None
-    if layout.qkv is None:
-        paths = (layout.query, layout.key, layout.value)
-        q, k, v = (_get(module, p) for p in paths)
-        if out_features(v) != out_features(k) or out_features(q) != inner:
-            heads, kv, d, dims = _split_widths(
-                name, module, layout, q, k, v, inner, root_config, num_heads, num_kv_heads
-            )
-        else:
-            heads, kv, d = resolve_heads(
-                name,
-                module,
-                inner=inner,
-                kv_rows=out_features(k),
-                heads_at=layout.heads_at,
-                root_config=root_config,
-                num_heads=num_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-            )
-        weights = {p: _source(module, path) for p, path in zip(("query", "key", "value"), paths, strict=True)}
-    elif layout.cross_query is not None:
-        fused_rows = out_features(_get(module, layout.qkv))
-        if out_features(_get(module, layout.cross_query)) != inner or fused_rows % 2:
-            raise AdapterMismatch(f"{name}: {type(module).__name__}: cross-attention widths do not fit")
-        heads, kv, d = resolve_heads(
-            name,
-            module,
-            inner=inner,
-            kv_rows=fused_rows // 2,
-            heads_at=layout.heads_at,
-            root_config=root_config,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-        )
-        half = kv * d
-        qkv_path = layout.qkv
-        weights = {
-            "query": _source(module, layout.cross_query),
-            "key": lambda: linear_weight(_get(module, qkv_path))[:half],
-            "value": lambda: linear_weight(_get(module, qkv_path))[half:],
-        }
-    else:
-        packing = layout.packing
-        assert packing is not None
-        fused = _get(module, layout.qkv)
-        heads, kv, d = resolve_heads(
-            name,
-            module,
-            inner=inner,
-            fused_rows=out_features(fused),
-            packing=packing,
-            heads_at=layout.heads_at,
-            root_config=root_config,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-        )
-        qkv_path = layout.qkv
-
-        def part(i: int) -> WeightSource:
-            return lambda: split_fused(linear_weight(_get(module, qkv_path)), packing, heads, kv, d)[i]
-
-        weights = {"query": part(0), "key": part(1), "value": part(2)}
-    weights["output"] = _source(module, layout.output)
-    if mask_key == "auto":
-        mask_key = default_mask_key(name, module, root_config) if layout.masked else None
-    return AttentionLayer(
-        name,
-        module,
-        family=family or layout.family,
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=d,
-        model_dim=out_features(out_mod),
-        weights=weights,
-        output_module=out_mod,
-        mask_key=mask_key,
-        kv_map=layout.kv_map,
-        projection_dims=dims,
-    )
-
-
-def _split_widths(
-    name: str,
-    module: nn.Module,
-    layout: Layout,
-    q: nn.Module,
-    k: nn.Module,
-    v: nn.Module,
-    inner: int,
-    root_config: Any,
-    num_heads: int | None,
-    num_kv_heads: int | None,
-) -> tuple[int, int, int, dict[str, int]]:
-    """Query/key heads of width ``d_qk`` and value heads of width ``d_v != d_qk`` (MiMo, some speech
-    encoders): ``H`` must be known (given or an attribute); ``d_v`` is the out-projection's input / H."""
-    cls = type(module).__name__
-    heads = num_heads
-    if heads is None:
-        heads, _ = _lookup(_holders(module, layout.heads_at, root_config), HEADS_ATTRS)
-    q_rows, k_rows, v_rows = out_features(q), out_features(k), out_features(v)
-    if heads is None or q_rows % heads or inner % heads:
-        raise AdapterMismatch(
-            f"{name}: {cls}: query ({q_rows}), key ({k_rows}), value ({v_rows}) and out-projection input ({inner}) "
-            "widths differ and no head count splits them; pass AttentionSpec(num_heads=...)"
-        )
-    d_qk, d_v = q_rows // heads, inner // heads
-    kv = k_rows // d_qk if k_rows % d_qk == 0 else 0
-    if kv < 1 or v_rows != kv * d_v or heads % kv or (num_kv_heads is not None and num_kv_heads != kv):
-        raise AdapterMismatch(
-            f"{name}: {cls}: key ({k_rows}) and value ({v_rows}) widths do not split into the same key/value heads "
-            f"for {heads} query heads of width {d_qk} and value width {d_v}"
-        )
-    return heads, kv, d_v, {"query": d_qk, "key": d_qk, "value": d_v, "output": d_v}
-
-
-#: Classes that look like a known layout but compute attention differently: refused with the reason.
 REFUSED: tuple[tuple[str, str], ...] = (
     (
         r"\w*(Delta|Linear|Lightning)\w*Attention",
@@ -612,7 +203,6 @@ LAYOUTS: tuple[Layout, ...] = (
     Layout("wqkvo", "wo", "wq", "wk", "wv", used_by="Meta-reference style wq/wk/wv/wo"),
 )
 # fmt: on
-from hdi_monitor.models.layouts_more import MORE_REFUSED, merged  # noqa: E402  (its entries need Layout)
 
 LAYOUTS, REFUSED = merged(LAYOUTS), REFUSED + MORE_REFUSED
 

@@ -23,7 +23,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from hdi_monitor.models.base import AdapterMismatch, AttentionLayer, WeightSource
-from hdi_monitor.models.layouts import Layout, _get, build_layer, default_mask_key, resolve_heads
+from hdi_monitor.models.layout import Layout, _get, build_layer, default_mask_key, resolve_heads
 from hdi_monitor.models.weights import in_features, linear_weight, out_features
 
 __all__ = [
