@@ -684,3 +684,18 @@ def test_nw_theory_experiment_runs_and_splits_exactly(tmp_path):
     for r in (r for r in rows if r["hdi"] == 0.0):
         assert r["covariance"] == pytest.approx(r["variance"], rel=1e-9)
         assert r["effective_heads"] == pytest.approx(1.0, rel=1e-9)
+
+
+def test_subsampling_never_draws_from_the_global_generator():
+    """Without a generator, `subsample_mask` and the accumulator draw from a private seeded one: the
+    global RNG state is untouched (it would shift every later dropout mask), and the choice is
+    reproducible (the same as an explicit generator seeded with 0)."""
+    keep = torch.ones(64, dtype=torch.bool)
+    w_out, o = torch.randn(2, 5, 3, dtype=torch.float64), torch.randn(64, 6, dtype=torch.float64)
+    before = torch.get_rng_state()
+    sel = subsample_mask(keep, 10)
+    acc = HeadCovarianceAccumulator(2, 3, w_out=w_out, max_tokens=10)
+    acc.update(o)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(sel, subsample_mask(keep, 10, torch.Generator().manual_seed(0)))
+    assert acc.num_tokens == 10

@@ -227,15 +227,18 @@ def subsample_mask(keep: Tensor, max_tokens: int, generator: torch.Generator | N
     """Choose at most ``max_tokens`` of the kept tokens, uniformly at random without replacement.
 
     This is the selection `HeadCovarianceAccumulator.update` makes; it draws exactly one
-    ``torch.randperm(keep.numel())`` from ``generator`` (or the default generator of ``keep``'s
-    device), so a generator seeded the same way reproduces the accumulator's choice. No host sync:
+    ``torch.randperm(keep.numel())`` from ``generator`` (without one, from a fresh private
+    generator seeded with 0: the global random generators are never drawn from, so subsampling
+    inside a training step shifts no dropout mask), and a generator seeded the same way reproduces
+    the accumulator's choice. No host sync:
     each token gets a random rank, masked-out tokens get the worst rank, and the ``max_tokens``
     best ranks are kept (and intersected with ``keep``).
 
     Args:
         keep: ``(N,)`` bool, True for tokens that may be chosen.
         max_tokens: positive number of tokens to keep.
-        generator: optional RNG; it may live on another device than ``keep``.
+        generator: the RNG to draw from; it may live on another device than ``keep``. None: a
+            private CPU generator seeded with 0 (never the global one).
 
     Returns:
         ``(N,)`` bool mask on ``keep``'s device with ``min(max_tokens, keep.sum())`` True entries.
@@ -246,8 +249,9 @@ def subsample_mask(keep: Tensor, max_tokens: int, generator: torch.Generator | N
     n = keep.numel()
     if max_tokens >= n:
         return keep.clone()
-    gen_device = generator.device if generator is not None else keep.device
-    perm = torch.randperm(n, generator=generator, device=gen_device).to(keep.device)
+    if generator is None:
+        generator = torch.Generator().manual_seed(0)
+    perm = torch.randperm(n, generator=generator, device=generator.device).to(keep.device)
     rank = torch.empty_like(perm)
     rank[perm] = torch.arange(n, device=keep.device)  # a uniformly random rank per token
     rank = torch.where(keep, rank, torch.full_like(rank, n))  # masked-out tokens last
@@ -337,7 +341,9 @@ class HeadCovarianceAccumulator:
         max_tokens: if set, each `update` call keeps at most this many of its (unmasked)
             tokens, chosen uniformly at random without replacement (see `subsample_mask`).
         device: where to keep the state; default: the device of the first ``o``.
-        generator: RNG for the subsampling (for reproducible runs); it may live on another device.
+        generator: RNG for the subsampling; it may live on another device. None: a private CPU
+            generator seeded with 0, owned by the accumulator (the global generators are never
+            drawn from).
         chunk_size: tokens per chunk in `update`; default: as many as fit
             `DEFAULT_CHUNK_BYTES`.
         matmul_dtype: dtype of the two chunk products: ``"auto"`` (float64 when the state is on the
@@ -387,7 +393,7 @@ class HeadCovarianceAccumulator:
         self.w_out = w_out
         self.model_dim = model_dim
         self.max_tokens = max_tokens
-        self.generator = generator
+        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self.chunk_size = chunk_size
         self.matmul_dtype = matmul_dtype
         self._device = torch.device(device) if device is not None else None
