@@ -1,0 +1,597 @@
+"""What each watched attention layer feeds its attention kernel, captured while a block is active.
+
+Kernel statistics (`hdi_monitor.functional.kernel`) must come from the queries and keys the kernel
+actually receives, after rotary embeddings and q/k norms, with the layer's own mask: never
+recomputed from weights where something sits between the projections and the kernel. They are
+read where the kernel is reachable:
+
+* **transformers' attention-function registry** (``ALL_ATTENTION_FUNCTIONS``, which transformers 5
+  modules call as ``fn(module, query, key, value, attention_mask, scaling=..., ...)`` with per-head
+  ``(B, heads, T, d)`` tensors): every entry is wrapped. The ``"sdpa"`` entry is measured at the
+  torch call it makes (below), with its own ``is_causal``, scale and mask, and its pre-packing
+  query and key when it packs grouped heads for one-token decoding. Other entries (flash, flex,
+  paged) are not measured: their masks are not dense tensors; the layer is named with the reason.
+* **the eager path of transformers** (the modeling file's own ``eager_attention_forward``, which the
+  registry does not hold): patched in the modeling module of each watched layer; its additive mask
+  is the one the softmax sees, and key heads map to query heads as ``repeat_kv`` does
+  (``h // (H / H_kv)``). Calls with ``softcap``, attention sinks (``s_aux``, ``sinks``) or a
+  ``position_bias`` are not measured and named.
+* **``torch.nn.functional.scaled_dot_product_attention``** called inside a watched module (litgpt,
+  custom modules, transformers' sdpa path): the call's own ``q``, ``k``, ``attn_mask``,
+  ``is_causal``, ``scale`` and ``enable_gqa``.
+* **``torch.nn.MultiheadAttention``**: its forward inputs are captured by a pre-hook and ``q``, ``k``
+  recomputed from its ``in_proj`` (and ``bias_k``/``add_zero_attn``, ``attn_mask`` and
+  ``key_padding_mask``): there is nothing between the projection and the kernel there, so this is
+  exact. Its fused fast path is switched off while the capture is active (the fused encoder
+  kernels bypass the module's forward).
+
+Each call is attributed to the watched layer whose forward is running (a forward pre-hook and an
+always-called forward hook on each watched module keep a per-thread stack) or, for registry and
+eager calls, to the layer holding the ``module`` argument. Layers whose forward ran but whose
+kernel was never reached, or that were not measured for a stated reason, are listed by
+`KernelCapture.unreachable`.
+
+Nothing global stays changed: every registry entry, module function and ``F.sdpa`` is restored
+when the block exits (also on exceptions), the fast-path flag is restored, the hooks are removed,
+and no random number is drawn (the statistics' query subsample uses a private generator).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from hdi_monitor._validation import check_instance, check_int
+from hdi_monitor.functional._numerics import no_autocast
+from hdi_monitor.functional.kernel import (
+    KernelStatsAccumulator,
+    KernelStatsResult,
+    compute_kernel_results,
+    default_kv_head_map,
+)
+from hdi_monitor.models.base import AttentionLayer, ErrorHandler
+from hdi_monitor.models.torch_mha import _MHA_ARGS, _hold_fastpath_off, _qkv_biases, _qkv_weights, _release_fastpath
+
+__all__ = ["KernelCall", "KernelCapture", "KernelStatsCapture", "mha_query_key"]
+
+#: Keyword arguments of an attention function that change its softmax in ways the statistics do not
+#: model; a call that passes one of them (not None) is not measured and its layer is named.
+UNSUPPORTED_KWARGS: tuple[str, ...] = ("softcap", "s_aux", "sinks", "position_bias")
+
+_EAGER = "eager_attention_forward"
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One attention-kernel call of a watched layer, as the kernel received it (tensors detached).
+
+    Attributes:
+        layer: the watched layer's name.
+        source: where it was read: ``"transformers:sdpa"``, ``"transformers:eager"``,
+            ``"F.scaled_dot_product_attention"`` or ``"nn.MultiheadAttention"``.
+        q: ``(B, H, T, d)`` queries.
+        k: ``(B, H_k, S, d)`` keys (``H_k`` divides ``H``).
+        scale: the logit scale the kernel applies.
+        mask: None, a bool mask (True = allowed) or an additive float mask, broadcastable to
+            ``(B, H, T, S)`` (SDPA's convention).
+        is_causal: the kernel's causal flag (key ``s`` allowed for query ``t`` when ``s <= t``).
+        kv_head_map: ``(H,)`` key head of each query head; None: ``h // (H / H_k)``.
+    """
+
+    layer: str
+    source: str
+    q: Tensor
+    k: Tensor
+    scale: float
+    mask: Tensor | None
+    is_causal: bool
+    kv_head_map: Tensor | None = None
+
+
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    if mask.dtype == torch.bool:  # MHA's convention: True = not allowed
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, -math.inf)
+    return mask.to(dtype)
+
+
+def mha_query_key(
+    mha: nn.MultiheadAttention,
+    query: Tensor,
+    key: Tensor,
+    key_padding_mask: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The per-head ``q``, ``k`` and mask that ``nn.MultiheadAttention`` gives its kernel.
+
+    Takes the module's forward arguments (``batch_first`` or not, batched or not) and follows
+    ``F.multi_head_attention_forward``: ``in_proj`` (packed or separate), ``bias_k``, ``add_zero_attn``,
+    bool (True = not allowed) or float ``attn_mask`` (2-D or ``(B H, L, S)``) and ``key_padding_mask``.
+
+    Returns:
+        ``q`` ``(B, H, L, d)``, ``k`` ``(B, H, S, d)`` in float32 at least, and an additive float mask
+        broadcastable to ``(B, H, L, S)`` (``-inf`` = not allowed) or None.
+    """
+    heads, e = mha.num_heads, mha.embed_dim
+    if query.dim() == 2:
+        query, key = query.unsqueeze(0), key.unsqueeze(0)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+    elif not mha.batch_first:
+        query, key = query.transpose(0, 1), key.transpose(0, 1)
+    dtype = query.dtype if query.dtype in (torch.float32, torch.float64) else torch.float32
+    wq, wk, _ = (w.to(dtype) for w in _qkv_weights(mha))
+    bq, bk, _ = (None if b is None else b.to(dtype) for b in _qkv_biases(mha))
+    q = F.linear(query.to(dtype), wq, bq)
+    k = F.linear(key.to(dtype), wk, bk)
+    b = q.shape[0]
+    if mha.bias_k is not None:
+        k = torch.cat([k, mha.bias_k.detach().to(dtype).expand(b, 1, e)], dim=1)
+        attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+        key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
+    q, k = (rearrange(t, "b s (h d) -> b h s d", h=heads) for t in (q, k))
+    if mha.add_zero_attn:
+        k = torch.cat([k, k.new_zeros((b, heads, 1, k.shape[-1]))], dim=2)
+        attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+        key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
+    mask: Tensor | None = None
+    if attn_mask is not None:
+        mask = _additive(attn_mask, dtype)
+        mask = rearrange(mask, "(b h) l s -> b h l s", h=heads) if mask.dim() == 3 else mask[None, None]
+    if key_padding_mask is not None:
+        pad = _additive(key_padding_mask, dtype)[:, None, None, :]
+        mask = pad if mask is None else mask + pad
+    return q, k, mask
+
+
+@dataclass
+class _Frame:
+    """One active watched layer (or a registry call inside it) on the per-thread stack."""
+
+    layer: str
+    kind: str  # "layer", "mha", "registry"
+    query: Tensor | None = None
+    key: Tensor | None = None
+    mask: Tensor | None = None
+    reached: bool = False
+
+
+def _layer_entries(layers: Any) -> list[tuple[str, nn.Module]]:
+    if isinstance(layers, Mapping):
+        items = list(layers.items())
+    elif isinstance(layers, Sequence) and not isinstance(layers, str):
+        items = []
+        for lay in layers:
+            check_instance("layers item", lay, AttentionLayer)
+            items.append((lay.name, lay.module))
+    else:
+        raise TypeError("layers must be a sequence of AttentionLayer or a mapping {name: nn.Module}")
+    for name, mod in items:
+        check_instance(f"layer {name!r}", mod, nn.Module)
+    if len({n for n, _ in items}) != len(items):
+        raise ValueError("layer names must be unique")
+    return items
+
+
+class KernelCapture:
+    """Context manager: call ``on_call(KernelCall)`` for every attention-kernel call of the watched layers.
+
+    Args:
+        layers: the layers to watch: `AttentionLayer` objects (from `discover_attention`) or a
+            mapping ``{name: module}``.
+        on_call: receives each `KernelCall` while the forward pass runs (under ``no_grad``, autocast
+            off). It must not keep the tensors longer than it needs them.
+        on_error: receives an exception raised while reading a call (or inside ``on_call``) instead
+            of the forward pass; None re-raises.
+
+    While active, the registry entries, the eager functions of the watched layers' modeling modules
+    and ``F.scaled_dot_product_attention`` are wrapped (each wrapper calls the original with the
+    same arguments and returns its result untouched), and the MHA fast path is off. All of it is
+    restored on exit. The object is single-use per block but may be entered again.
+
+    Example:
+        ```python
+        calls = []
+        with KernelCapture(discover_attention(model).layers, calls.append) as cap:
+            model(**batch)
+        cap.unreachable  # [(layer name, reason), ...]
+        ```
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[AttentionLayer] | Mapping[str, nn.Module],
+        on_call: Callable[[KernelCall], None],
+        *,
+        on_error: ErrorHandler | None = None,
+    ) -> None:
+        if not callable(on_call):
+            raise TypeError("on_call must be callable")
+        self._layers = _layer_entries(layers)
+        self.on_call = on_call
+        self.on_error = on_error
+        self._owner: dict[int, str] = {}
+        for name, mod in self._layers:
+            for sub in mod.modules():
+                self._owner.setdefault(id(sub), name)
+        self._local = threading.local()
+        self._undo: list[Callable[[], None]] = []
+        self.calls: dict[str, int] = {}
+        self.forwards: dict[str, int] = {}
+        self._reasons: dict[str, str] = {}
+        self._active = False
+
+    # ---------------------------------------------------------------- results
+    @property
+    def unreachable(self) -> list[tuple[str, str]]:
+        """``(layer name, reason)`` for each watched layer that was not measured (so far).
+
+        A layer is listed when some call was refused (the reason says why), when its forward ran
+        but no reachable kernel was called inside it, or when its forward never ran.
+        """
+        out = []
+        for name, _ in self._layers:
+            if name in self._reasons:
+                out.append((name, self._reasons[name]))
+            elif self.calls.get(name, 0) == 0:
+                if self.forwards.get(name, 0) == 0:
+                    out.append((name, "the layer's forward did not run while the capture was active"))
+                else:
+                    out.append(
+                        (
+                            name,
+                            "its attention kernel is not reachable: no call to transformers' attention "
+                            "registry or eager function, F.scaled_dot_product_attention or nn.MultiheadAttention "
+                            "inside it",
+                        )
+                    )
+        return out
+
+    # ---------------------------------------------------------------- frames
+    def _stack(self) -> list[_Frame]:
+        st = getattr(self._local, "stack", None)
+        if st is None:
+            st = self._local.stack = []
+        return st
+
+    def _top(self) -> _Frame | None:
+        st = self._stack()
+        return st[-1] if st else None
+
+    def _emit(self, call: KernelCall) -> None:
+        self.calls[call.layer] = self.calls.get(call.layer, 0) + 1
+        self.on_call(call)
+
+    def _guard(self, fn: Callable[[], None]) -> None:
+        try:
+            with torch.no_grad(), no_autocast():
+                fn()
+        except Exception as err:  # noqa: BLE001 - monitoring must not break the forward pass
+            if self.on_error is None:
+                raise
+            self.on_error(err)
+
+    def _refuse(self, layer: str, reason: str) -> None:
+        self._reasons.setdefault(layer, reason)
+
+    # ---------------------------------------------------------------- hooks and patches
+    def _hook_layers(self) -> None:
+        for name, mod in self._layers:
+            is_mha = isinstance(mod, nn.MultiheadAttention)
+
+            def pre(_m: nn.Module, args: tuple, kwargs: dict, _n: str = name, _mha: bool = is_mha) -> None:
+                self.forwards[_n] = self.forwards.get(_n, 0) + 1
+                self._stack().append(_Frame(_n, "mha" if _mha else "layer"))
+                if _mha:
+                    self._guard(lambda: self._mha_call(_n, _m, args, kwargs))
+
+            def post(_m: nn.Module, _args: tuple, _kwargs: dict, _out: Any, _n: str = name) -> None:
+                st = self._stack()
+                while st:  # also unwinds frames an exception left behind
+                    if st.pop().layer == _n:
+                        break
+
+            h1 = mod.register_forward_pre_hook(pre, with_kwargs=True)
+            h2 = mod.register_forward_hook(post, with_kwargs=True, always_call=True)
+            self._undo.append(h1.remove)
+            self._undo.append(h2.remove)
+            if is_mha:
+                _hold_fastpath_off()
+                self._undo.append(_release_fastpath)
+
+    def _mha_call(self, name: str, mha: nn.Module, args: tuple, kwargs: dict) -> None:
+        assert isinstance(mha, nn.MultiheadAttention)
+        call = dict(zip(_MHA_ARGS, args, strict=False))
+        call.update(kwargs)
+        q, k, mask = mha_query_key(mha, call["query"], call["key"], call.get("key_padding_mask"), call.get("attn_mask"))
+        self._emit(KernelCall(name, "nn.MultiheadAttention", q, k, 1.0 / math.sqrt(mha.head_dim), mask, False))
+
+    def _patch_sdpa(self) -> None:
+        original = F.scaled_dot_product_attention
+        capture = self
+
+        def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Any:
+            top = capture._top()
+            if top is not None and top.kind in ("layer", "registry") and not top.reached:
+                capture._guard(lambda: capture._sdpa_call(top, query, key, args, kwargs))
+            return original(query, key, value, *args, **kwargs)
+
+        F.scaled_dot_product_attention = scaled_dot_product_attention
+
+        def restore() -> None:
+            F.scaled_dot_product_attention = original
+
+        self._undo.append(restore)
+
+    def _sdpa_call(self, frame: _Frame, query: Tensor, key: Tensor, args: tuple, kwargs: dict) -> None:
+        names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        call = dict(zip(names, args, strict=False))
+        call.update(kwargs)
+        mask, is_causal, scale = call.get("attn_mask"), bool(call.get("is_causal", False)), call.get("scale")
+        q, k = query, key
+        source = "F.scaled_dot_product_attention"
+        if frame.kind == "registry":
+            frame.reached = True
+            source = "transformers:sdpa"
+            assert frame.query is not None and frame.key is not None
+            if tuple(q.shape) != tuple(frame.query.shape):  # one-token decoding: heads packed into the query axis
+                q, k, mask, is_causal = frame.query, frame.key, frame.mask, False
+        if q.dim() != 4 or k.dim() != 4:
+            self._refuse(
+                frame.layer, f"F.scaled_dot_product_attention called with {q.dim()}-D inputs, not (B, H, T, d)"
+            )
+            return
+        if k.shape[1] != q.shape[1] and q.shape[1] % k.shape[1]:
+            self._refuse(frame.layer, f"{k.shape[1]} key heads do not divide {q.shape[1]} query heads")
+            return
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        kv_map = None if k.shape[1] == q.shape[1] else default_kv_head_map(q.shape[1], k.shape[1], q.device)
+        self._emit(KernelCall(frame.layer, source, q.detach(), k.detach(), scale, _detach(mask), is_causal, kv_map))
+
+    def _patch_registry(self) -> None:
+        mu = sys.modules.get("transformers.modeling_utils")
+        registry = getattr(mu, "ALL_ATTENTION_FUNCTIONS", None)
+        local = getattr(registry, "_local_mapping", None)
+        if registry is None or not isinstance(local, dict):
+            return
+        saved = dict(local)
+
+        def restore() -> None:
+            local.clear()
+            local.update(saved)
+
+        self._undo.append(restore)
+        for key in list(registry.keys()):
+            registry[key] = self._registry_wrapper(key, registry[key])
+
+    def _registry_wrapper(self, impl: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        capture = self
+
+        def attention(
+            module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, *args: Any, **kwargs: Any
+        ) -> Any:
+            layer = capture._owner.get(id(module))
+            if layer is None:
+                top = capture._top()
+                layer = top.layer if top is not None else None
+            if layer is None:
+                return original(module, query, key, value, attention_mask, *args, **kwargs)
+            bad = [n for n in UNSUPPORTED_KWARGS if kwargs.get(n) is not None]
+            if impl != "sdpa" or bad:
+                why = f"takes {bad[0]!r}" if bad else "is not measured (only 'sdpa' and 'eager' are)"
+                capture._refuse(layer, f"attention implementation {impl!r} {why}")
+                frame = _Frame(layer, "blocked")
+            else:
+                frame = _Frame(layer, "registry", query, key, attention_mask)
+            stack = capture._stack()
+            stack.append(frame)
+            try:
+                out = original(module, query, key, value, attention_mask, *args, **kwargs)
+            finally:
+                if stack and stack[-1] is frame:
+                    stack.pop()
+            if frame.kind == "registry" and not frame.reached:
+                capture._refuse(layer, "transformers' 'sdpa' function did not call F.scaled_dot_product_attention")
+            return out
+
+        return attention
+
+    def _patch_eager(self) -> None:
+        done: set[str] = set()
+        for _name, mod in self._layers:
+            for sub in mod.modules():
+                modname = type(sub).__module__
+                pymod = sys.modules.get(modname)
+                fn = getattr(pymod, _EAGER, None)
+                if modname in done or not callable(fn):
+                    continue
+                done.add(modname)
+                setattr(pymod, _EAGER, self._eager_wrapper(fn))
+                self._undo.append(partial(setattr, pymod, _EAGER, fn))
+
+    def _eager_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        capture = self
+        try:
+            extra = [
+                p
+                for p in inspect.signature(original).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+        except (TypeError, ValueError):
+            extra = []
+        positional = [p.name for p in extra][5:]  # after module, query, key, value, attention_mask
+
+        def eager(
+            module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, *args: Any, **kwargs: Any
+        ) -> Any:
+            layer = capture._owner.get(id(module))
+            top = capture._top()
+            if layer is None and top is not None:
+                layer = top.layer
+            if layer is not None:
+                named = dict(zip(positional, args, strict=False))
+                named.update(kwargs)
+                capture._guard(lambda: capture._eager_call(layer, query, key, attention_mask, named))
+            stack = capture._stack()
+            frame = _Frame(layer or "", "blocked")
+            stack.append(frame)  # an F.sdpa call inside the eager function is the same kernel
+            try:
+                return original(module, query, key, value, attention_mask, *args, **kwargs)
+            finally:
+                if stack and stack[-1] is frame:
+                    stack.pop()
+
+        return eager
+
+    def _eager_call(self, layer: str, query: Tensor, key: Tensor, mask: Any, named: dict[str, Any]) -> None:
+        extra = sorted(n for n in named if n not in ("scaling", "dropout") and named[n] is not None)
+        bad = [n for n in extra if n in UNSUPPORTED_KWARGS or n == "head_mask"]
+        if bad:
+            self._refuse(layer, f"eager attention takes {bad[0]!r}")
+            return
+        if query.dim() != 4 or key.dim() != 4 or query.shape[1] % key.shape[1]:
+            self._refuse(layer, f"eager attention inputs of shapes {tuple(query.shape)}, {tuple(key.shape)}")
+            return
+        scale = named.get("scaling")
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+        if isinstance(mask, Tensor) and mask.dim() == 4 and mask.shape[-1] > key.shape[2]:
+            mask = mask[..., : key.shape[2]]  # what the eager functions that slice their mask do
+        elif mask is not None and not isinstance(mask, Tensor):
+            self._refuse(layer, f"eager attention mask of type {type(mask).__name__}")
+            return
+        kv_map = (
+            None if key.shape[1] == query.shape[1] else default_kv_head_map(query.shape[1], key.shape[1], query.device)
+        )
+        self._emit(
+            KernelCall(layer, "transformers:eager", query.detach(), key.detach(), scale, _detach(mask), False, kv_map)
+        )
+
+    # ---------------------------------------------------------------- context
+    def __enter__(self) -> KernelCapture:
+        if self._active:
+            raise RuntimeError("this KernelCapture is already active")
+        self._undo = []
+        try:
+            self._hook_layers()
+            self._patch_registry()
+            self._patch_eager()
+            self._patch_sdpa()
+        except BaseException:
+            self._restore()
+            raise
+        self._active = True
+        return self
+
+    def _restore(self) -> None:
+        errors: list[BaseException] = []
+        for fn in reversed(self._undo):
+            try:
+                fn()
+            except Exception as err:  # noqa: BLE001 - restore everything else first
+                errors.append(err)
+        self._undo = []
+        self._local = threading.local()
+        if errors:
+            raise errors[0]
+
+    def __exit__(self, *exc: object) -> None:
+        self._active = False
+        self._restore()
+
+
+def _detach(t: Any) -> Tensor | None:
+    return t.detach() if isinstance(t, Tensor) else None
+
+
+class KernelStatsCapture:
+    """Kernel statistics of the watched layers over every forward pass run while the block is active.
+
+    A `KernelCapture` whose calls go into one `KernelStatsAccumulator` per layer.
+
+    Args:
+        layers: `AttentionLayer` objects or ``{name: module}``.
+        max_tokens: at most this many queries per kernel call (None: all).
+        generator: private generator for the query subsample (None: a CPU generator seeded with 0;
+            never the global one).
+        query_mask: optional ``(B, T)`` bool mask of real query tokens (the batch's padding mask);
+            applied to calls whose queries are ``(B, ·, T, ·)``. Change it between batches with
+            `set_query_mask`.
+        on_error: as for `KernelCapture`.
+
+    Example:
+        ```python
+        with KernelStatsCapture(layers, max_tokens=256, query_mask=batch["attention_mask"].bool()) as cap:
+            model(**batch)
+        results = cap.results()   # {layer name: KernelStatsResult}
+        cap.unreachable           # [(layer name, reason)]
+        ```
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[AttentionLayer] | Mapping[str, nn.Module],
+        *,
+        max_tokens: int | None = None,
+        generator: torch.Generator | None = None,
+        query_mask: Tensor | None = None,
+        on_error: ErrorHandler | None = None,
+    ) -> None:
+        self.max_tokens = None if max_tokens is None else check_int("max_tokens", max_tokens)
+        check_instance("generator", generator, torch.Generator, optional=True)
+        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        self.accumulators: dict[str, KernelStatsAccumulator] = {}
+        self.set_query_mask(query_mask)
+        self._capture = KernelCapture(layers, self._on_call, on_error=on_error)
+
+    def set_query_mask(self, query_mask: Tensor | None) -> None:
+        """Use ``query_mask`` (``(B, T)`` bool, True = real token) for the following calls."""
+        if query_mask is not None and (not isinstance(query_mask, Tensor) or query_mask.dtype != torch.bool):
+            raise TypeError("query_mask must be a bool tensor (True = real token) or None")
+        self.query_mask = query_mask
+
+    def _on_call(self, call: KernelCall) -> None:
+        b, h, t, _ = call.q.shape
+        acc = self.accumulators.get(call.layer)
+        if acc is None:
+            acc = self.accumulators[call.layer] = KernelStatsAccumulator(
+                h, max_tokens=self.max_tokens, generator=self.generator
+            )
+        keep = self.query_mask
+        if keep is not None and tuple(keep.shape) != (b, t):
+            keep = None
+        acc.update(
+            call.q,
+            call.k,
+            scale=call.scale,
+            mask=call.mask,
+            is_causal=call.is_causal,
+            query_keep=keep,
+            kv_head_map=call.kv_head_map,
+        )
+
+    @property
+    def unreachable(self) -> list[tuple[str, str]]:
+        """See `KernelCapture.unreachable`."""
+        return self._capture.unreachable
+
+    def results(self) -> dict[str, KernelStatsResult]:
+        """``{layer: KernelStatsResult}`` for the layers measured so far (one host transfer per device)."""
+        names = list(self.accumulators)
+        return dict(zip(names, compute_kernel_results([self.accumulators[n] for n in names]), strict=True))
+
+    def __enter__(self) -> KernelStatsCapture:
+        self._capture.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._capture.__exit__(*exc)
