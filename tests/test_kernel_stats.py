@@ -503,3 +503,35 @@ def test_one_token_decoding_with_cache_matches_the_full_forward(impl):
         torch.testing.assert_close(
             res.entropy, _prob_entropy(p[:, :, -1:], torch.ones(3, 1, dtype=torch.bool)), atol=TOL, rtol=0
         )
+
+
+def test_sync_over_two_gloo_ranks(tmp_path):
+    """Entropy and uniform sums and counts add over ranks, maxima take the maximum (2 processes)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "kernel_sync.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(script.parents[2]))
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    spec = importlib.util.spec_from_file_location("kernel_sync", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    inputs = [mod.rank_inputs(r) for r in range(2)]
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for layer in range(2):  # the reference: brute force per rank, combined by query counts
+            refs = [brute(*inputs[r][layer], is_causal=True) for r in range(2)]
+            n = refs[0][3] + refs[1][3]
+            ent, uni, top, count = got[layer]
+            for mine, i in ((ent, 0), (uni, 1)):
+                want = (refs[0][i] * refs[0][3] + refs[1][i] * refs[1][3]) / n
+                torch.testing.assert_close(mine, want, atol=TOL, rtol=0)
+            torch.testing.assert_close(top, torch.maximum(refs[0][2], refs[1][2]), atol=TOL, rtol=0)
+            assert torch.equal(count, n)
+        assert torch.isnan(got[2][0]).all() and (got[2][3] == 0).all()

@@ -274,7 +274,7 @@ class KernelStatsAccumulator:
             m = self.max_tokens
         # a fixed number of query slots (no host sync): the kept ones first, the rest marked invalid
         slots = (
-            torch.topk(keep.to(torch.uint8), m, sorted=False).indices if m < b * t else torch.arange(m, device=device)
+            torch.topk(keep.to(torch.float32), m, sorted=False).indices if m < b * t else torch.arange(m, device=device)
         )
         valid = keep[slots]
         wide = q.dtype == _F64 or k.dtype == _F64 or device.type == "cpu"
