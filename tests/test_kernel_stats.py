@@ -224,7 +224,14 @@ def _llama(impl, dropout=0.0):
     return transformers.LlamaForCausalLM(cfg)
 
 
-BUILDERS = {"bert": _bert, "gpt2": _gpt2, "llama": _llama}
+def _t5(impl):  # relative position bias: added to the logits (eager) or folded into the mask (sdpa)
+    cfg = transformers.T5Config(
+        vocab_size=60, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, attn_implementation=impl
+    )
+    return transformers.T5EncoderModel(cfg)
+
+
+BUILDERS = {"bert": _bert, "gpt2": _gpt2, "llama": _llama, "t5": _t5}
 
 
 def _batch(seed=0, b=3, t=9):
@@ -241,7 +248,7 @@ def _build(family, impl):
     return BUILDERS[family](impl).eval()
 
 
-@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "t5"])
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_capture_matches_brute_force_of_captured_qk(family, impl):
     model = _build(family, impl)
@@ -278,7 +285,7 @@ def _prob_entropy(probs, keep):
     return (ent * w).sum((0, 2)) / w.sum((0, 2))
 
 
-@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "t5"])
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_entropy_equals_the_models_own_attention_probabilities(family, impl):
     """The q/k captured under either kernel are those of the model's own eager attention."""
@@ -535,3 +542,16 @@ def test_sync_over_two_gloo_ranks(tmp_path):
             torch.testing.assert_close(top, torch.maximum(refs[0][2], refs[1][2]), atol=TOL, rtol=0)
             assert torch.equal(count, n)
         assert torch.isnan(got[2][0]).all() and (got[2][3] == 0).all()
+
+
+def test_softcapped_eager_attention_is_named_not_measured():
+    """Gemma-2 logit soft-capping changes the softmax: refused out loud, with the reason."""
+    cfg = transformers.Gemma2Config(
+        vocab_size=60, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, attn_implementation="eager", attn_logit_softcapping=50.0,
+    )  # fmt: skip
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad(), KernelStatsCapture(discover_attention(model).layers) as cap:
+        model(input_ids=torch.randint(0, 60, (2, 6), generator=torch.Generator().manual_seed(0)))
+    assert cap.results() == {}
+    assert cap.unreachable == [(f"model.layers.{i}.self_attn", "eager attention takes 'softcap'") for i in range(2)]

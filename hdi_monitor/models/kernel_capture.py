@@ -14,8 +14,9 @@ read where the kernel is reachable:
 * **the eager path of transformers** (the modeling file's own ``eager_attention_forward``, which the
   registry does not hold): patched in the modeling module of each watched layer; its additive mask
   is the one the softmax sees, and key heads map to query heads as ``repeat_kv`` does
-  (``h // (H / H_kv)``). Calls with ``softcap``, attention sinks (``s_aux``, ``sinks``) or a
-  ``position_bias`` are not measured and named.
+  (``h // (H / H_kv)``); a T5-style ``position_bias`` is added to the mask, as those functions
+  add it to the logits. Calls with ``softcap``, attention sinks (``s_aux``, ``sinks``) or a
+  ``head_mask`` are not measured and named.
 * **``torch.nn.functional.scaled_dot_product_attention``** called inside a watched module (litgpt,
   custom modules, transformers' sdpa path): the call's own ``q``, ``k``, ``attn_mask``,
   ``is_causal``, ``scale`` and ``enable_gqa``.
@@ -67,7 +68,7 @@ __all__ = ["KernelCall", "KernelCapture", "KernelStatsCapture", "mha_query_key"]
 
 #: Keyword arguments of an attention function that change its softmax in ways the statistics do not
 #: model; a call that passes one of them (not None) is not measured and its layer is named.
-UNSUPPORTED_KWARGS: tuple[str, ...] = ("softcap", "s_aux", "sinks", "position_bias")
+UNSUPPORTED_KWARGS: tuple[str, ...] = ("softcap", "s_aux", "sinks")
 
 _EAGER = "eager_attention_forward"
 
@@ -236,8 +237,9 @@ class KernelCapture:
     def unreachable(self) -> list[tuple[str, str]]:
         """``(layer name, reason)`` for each watched layer that was not measured (so far).
 
-        A layer is listed when some call was refused (the reason says why), when its forward ran
-        but no reachable kernel was called inside it, or when its forward never ran.
+        A layer is listed when some call was refused (the reason says why; statistics its other
+        calls gave are then partial), when its forward ran but no reachable kernel was called inside
+        it, or when its forward never ran.
         """
         out = []
         for name, _ in self._layers:
@@ -455,7 +457,7 @@ class KernelCapture:
 
     def _eager_call(self, layer: str, query: Tensor, key: Tensor, mask: Any, named: dict[str, Any]) -> None:
         extra = sorted(n for n in named if n not in ("scaling", "dropout") and named[n] is not None)
-        bad = [n for n in extra if n in UNSUPPORTED_KWARGS or n == "head_mask"]
+        bad = [n for n in extra if n in (*UNSUPPORTED_KWARGS, "head_mask")]
         if bad:
             self._refuse(layer, f"eager attention takes {bad[0]!r}")
             return
@@ -469,6 +471,16 @@ class KernelCapture:
         elif mask is not None and not isinstance(mask, Tensor):
             self._refuse(layer, f"eager attention mask of type {type(mask).__name__}")
             return
+        bias = named.get("position_bias")
+        if isinstance(bias, Tensor):  # T5-style relative position bias, added to the logits before the mask
+            if bias.dim() == 4 and bias.shape[-1] > key.shape[2]:
+                bias = bias[..., : key.shape[2]]
+            if mask is None:
+                mask = bias
+            elif mask.dtype == torch.bool:
+                mask = torch.where(mask, bias, -math.inf)
+            else:
+                mask = bias + mask
         kv_map = (
             None if key.shape[1] == query.shape[1] else default_kv_head_map(query.shape[1], key.shape[1], query.device)
         )
