@@ -394,8 +394,11 @@ def compute_kernel_results(accumulators: Sequence[KernelStatsAccumulator]) -> li
         rows = []
         for i in idx:
             acc = accumulators[i]
-            st = acc._state if acc._state is not None else acc._init_state(dev)
-            rows.append(torch.stack([st[0], st[1], st[2].to(_F64), st[3]]))
+            st = acc._state
+            if st is None:  # no query yet: zero sums and counts (the accumulator is left as it is)
+                rows.append(torch.zeros(4, acc.num_heads, dtype=_F64, device=dev))
+            else:
+                rows.append(torch.stack([st[0], st[1], st[2].to(_F64), st[3]]))
         packed = torch.cat(rows, dim=1).cpu() if rows else None
         pos = 0
         for i in idx:
