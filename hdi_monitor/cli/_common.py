@@ -59,8 +59,7 @@ def prepare_out_dir(value: str, force: bool, option: str = "--out") -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        where = err.filename if err.filename is not None else value
-        raise CLIError(f"{option} {value!r}: cannot create the folder {str(where)!r}: {err.strerror or err}") from err
+        raise CLIError(f"{option} {value!r}: cannot create the folder {_os_error(err, value)}") from err
     return path
 
 
@@ -82,3 +81,14 @@ def finite_json(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [finite_json(v) for v in obj]
     return obj
+
+
+def _os_error(err: OSError, default: str) -> str:
+    """``'path': reason`` of an OSError, in words (``'runs/x/index.html': No space left on device``)."""
+    where = err.filename if err.filename is not None else default
+    reason = err.strerror or str(err) or type(err).__name__
+    if isinstance(err, (NotADirectoryError, FileExistsError)) and not isinstance(err, IsADirectoryError):
+        reason += " (a file stands where a folder is expected)"
+    elif isinstance(err, IsADirectoryError):
+        reason += " (a folder stands where a file is expected)"
+    return f"{str(where)!r}: {reason}"

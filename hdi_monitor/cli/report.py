@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from hdi_monitor.cli._common import CLIError, add_model_arguments, prepare_out_dir
+from hdi_monitor.cli._common import CLIError, _os_error, add_model_arguments, prepare_out_dir
 
 HELP = "report the head diversity of a trained model (Hugging Face folder, Lightning checkpoint or state_dict)"
 
@@ -591,17 +591,6 @@ def run(args: argparse.Namespace) -> int:
         _discard_stdout()
         raise CLIError(f"cannot write the report to {name}: {err.strerror or err}") from err
     return 0
-
-
-def _os_error(err: OSError, default: str) -> str:
-    """``'path': reason`` of an OSError, in words (``'runs/x/index.html': No space left on device``)."""
-    where = err.filename if err.filename is not None else default
-    reason = err.strerror or str(err) or type(err).__name__
-    if isinstance(err, (NotADirectoryError, FileExistsError)) and not isinstance(err, IsADirectoryError):
-        reason += " (a file stands where a folder is expected)"
-    elif isinstance(err, IsADirectoryError):
-        reason += " (a folder stands where a file is expected)"
-    return f"{str(where)!r}: {reason}"
 
 
 def _stdout_name() -> str:
