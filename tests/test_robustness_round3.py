@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import cuda
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
@@ -90,24 +91,25 @@ def _parametrize(model: Net, kind: str) -> Net:
     return model
 
 
-def _train(kind: str, monitored: bool, steps: int = 6) -> dict:
+def _train(kind: str, monitored: bool, steps: int = 6, device: str = "cpu") -> dict:
     torch.manual_seed(0)
-    model = _parametrize(Net(), kind)
+    model = _parametrize(Net(), kind).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(3)
     data = [torch.randint(0, VOCAB, (3, T + 1), generator=g) for _ in range(steps)]
-    tracker = HDITracker(model, every_n_steps=2, max_tokens=20, log_images_every_n_steps=0, strict=True)
+    # image steps too: the principal angles read the weights once more
+    tracker = HDITracker(model, every_n_steps=2, max_tokens=20, log_images_every_n_steps=2, strict=True)
     if monitored:
         tracker.setup()
     seen = []
     for i, batch in enumerate(data):
-        x, y = batch[:, :-1], batch[:, 1:]
+        x, y = batch[:, :-1].to(device), batch[:, 1:].to(device)
         if monitored and i == 3:
             head_diversity(model, inputs=x)  # the read-only report, in training mode, mid-run
         if monitored:
             # the weight the forward pass of this step will compute (a parametrized weight is
             # computed once per read, here on a copy so the model itself is not touched)
-            seen.append(copy.deepcopy(model.blocks[0].q_proj).weight.detach().numpy())
+            seen.append(copy.deepcopy(model.blocks[0].q_proj).weight.detach().cpu().numpy())
             with tracker.capture(x):
                 loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
         else:
@@ -120,6 +122,7 @@ def _train(kind: str, monitored: bool, steps: int = 6) -> dict:
     return {
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if device == "cuda" else None,
         "tracker": tracker,
         "seen": seen,
     }
@@ -139,6 +142,16 @@ def test_parametrized_weights_train_bit_identically_and_are_measured_as_the_forw
         step = int(h["step"])
         expected = brute_hdi(with_["seen"][step].astype(np.float64), H)
         assert h["hdi/query/blocks.0"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+@cuda
+def test_spectral_norm_on_cuda_trains_bit_identically():
+    """The same on an accelerator: buffers restored on the device, the CUDA generator untouched."""
+    without = _train("spectral_norm", monitored=False, device="cuda")
+    with_ = _train("spectral_norm", monitored=True, device="cuda")
+    assert all(torch.equal(without["state"][k], with_["state"][k]) for k in without["state"])
+    assert torch.equal(without["cuda_rng"], with_["cuda_rng"])
+    assert with_["tracker"].last_token_counts == [20, 20]
 
 
 def test_reading_a_spectral_norm_weight_leaves_its_power_iteration_alone():
