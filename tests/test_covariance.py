@@ -282,7 +282,10 @@ def test_zero_variance_head_has_nan_correlation_row():
     ref = brute_covariance(o.numpy(), w_out.numpy())
     keep = [0, 2]
     assert res.mean_correlation == pytest.approx(ref[0, 2] / math.sqrt(ref[0, 0] * ref[2, 2]), rel=1e-9)
-    assert res.effective_heads == pytest.approx(3 * np.trace(ref) / ref[np.ix_(keep, keep)].sum(), rel=1e-9)
+    # a constant head is not an independent head: H_eff over the two live heads (issue 23, item 2)
+    live = ref[np.ix_(keep, keep)]
+    assert res.effective_heads == pytest.approx(2 * np.trace(live) / live.sum(), rel=1e-9)
+    assert res.invalid_heads == (1,)
     single = covariance_metrics(torch.tensor([[2.0]]))
     assert single.effective_heads == 1.0 and math.isnan(single.mean_correlation)
 

@@ -423,8 +423,10 @@ def test_folder_where_a_file_is_expected_in_out(capsys, tmp_path, lightning_ckpt
     """Item 7: --out holding a folder named index.html."""
     (tmp_path / "r" / "index.html").mkdir(parents=True)
     line = _one_error_line(
-        *run_cli(capsys, lightning_ckpt[0], "--module", "hdi_monitor.contrib.demo.CharLM", "--out", tmp_path / "r")
-    )
+        *run_cli(
+            capsys, lightning_ckpt[0], "--module", "hdi_monitor.contrib.demo.CharLM", "--out", tmp_path / "r", "--force"
+        )
+    )  # --force: a non-empty --out is refused before anything else (issue 23)
     assert str(tmp_path / "r" / "index.html") in line and "Is a directory" in line
 
 

@@ -120,8 +120,9 @@ def test_lightning_training_is_bit_identical_with_the_monitor(tmp_path, accumula
     with_ = lightning_run(tmp_path / "with", monitored=True, accumulate=accumulate)
     monitor = with_["monitor"]
     assert [h["step"] for h in monitor.history] == [0.0, 2.0, 4.0]
-    # the subsample really ran: each layer kept MAX_TOKENS per forward pass (accumulate passes per step)
-    assert monitor.tracker.last_token_counts == [MAX_TOKENS * accumulate] * 2
+    # the subsample really ran: each layer kept MAX_TOKENS per measured step, whatever the number of
+    # micro-batches (max_tokens caps a layer per measured step, issue 23)
+    assert monitor.tracker.last_token_counts == [MAX_TOKENS] * 2
     assert "effective_heads/mean" in monitor.history[-1]
     assert_same_run(without, with_)
 
@@ -277,5 +278,5 @@ def test_hf_trainer_training_is_bit_identical_with_the_callback(tmp_path):
     without = hf_run(tmp_path / "without", monitored=False)
     with_ = hf_run(tmp_path / "with", monitored=True)
     assert [h["step"] for h in with_["monitor"].history] == [0.0, 2.0, 4.0]
-    assert with_["monitor"].tracker.last_token_counts == [2 * MAX_TOKENS] * 2
+    assert with_["monitor"].tracker.last_token_counts == [MAX_TOKENS] * 2  # per layer per measured step
     assert_same_run(without, with_)

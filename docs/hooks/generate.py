@@ -65,7 +65,8 @@ def generate(out: Path = OUT) -> None:
     ]
     inputs = ["--inputs", str(ROOT / "docs" / "report_inputs.txt")]
     _run([*cli, *inputs], stdout=report / "table.txt")
-    _run([*cli, "--projections", "all", *inputs, "--out", str(report)], stdout=report / "table_all.txt")
+    # --force: the folder already holds table.txt (and a previous build's files)
+    _run([*cli, "--projections", "all", *inputs, "--out", str(report), "--force"], stdout=report / "table_all.txt")
     _run([sys.executable, str(ROOT / "examples" / "nw_theory.py"), "--out", str(out / "nw_theory")])
 
 

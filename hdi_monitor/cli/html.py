@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from hdi_monitor.cli._common import no_link
 from hdi_monitor.monitor.render import colorbar_lut, heatmap
 from hdi_monitor.report import DiversityReport
 
@@ -71,7 +72,7 @@ def save_png(image: Tensor, path: str | Path) -> Path:
 
     if not isinstance(image, Tensor) or image.ndim != 3 or image.shape[0] != 3 or image.dtype != torch.uint8:
         raise ValueError(f"image must be a (3, H, W) uint8 tensor, got {getattr(image, 'shape', type(image))}")
-    path = Path(path)
+    path = no_link(path)
     Image.fromarray(image.permute(1, 2, 0).contiguous().cpu().numpy(), mode="RGB").save(path, optimize=True)
     return path
 
@@ -174,7 +175,7 @@ def plot_hdi_by_layer(report: DiversityReport, path: str | Path, *, title: str |
     ax.set_title(title or f"Head diversity by layer ({report.weighting} overlap)", fontsize=10)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, format="png")
+    fig.savefig(no_link(path), format="png")
     return path
 
 
@@ -338,6 +339,6 @@ def write_report(
             tick(1)
     plot_hdi_by_layer(report, files.plot, title=title if title != "Head diversity report" else None)
     tick(1)
-    files.html.write_text(_page(report, files, title, source), encoding="utf-8")
+    no_link(files.html).write_text(_page(report, files, title, source), encoding="utf-8")
     tick(1)
     return files

@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hdi_monitor.cli._common import CLIError, add_model_arguments
+from hdi_monitor.cli._common import CLIError, add_model_arguments, finite_json, no_link, prepare_out_dir
 
 HELP = "rank heads (diversity, importance, random), ablate a fraction and measure the fidelity on held-out inputs"
 
@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--out", metavar="DIR", required=True, help="folder for results.json, results.md and fidelity.png"
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a non-empty --out folder (files of the same names are replaced)",
     )
     parser.add_argument(
         "--holdout", type=float, default=0.5, metavar="P", help="share of the batches held out (default: 0.5)"
@@ -134,9 +139,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--fraction must be in (0, 1), got {args.fraction}")
     if not 0.0 < args.holdout < 1.0:
         raise CLIError(f"--holdout must be in (0, 1), got {args.holdout}")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise CLIError(f"--out {args.out!r} exists and is not a folder")
+    out = prepare_out_dir(args.out, args.force)  # before any work: not after a long sweep
     import torch
 
     from hdi_monitor.ablation import (
@@ -175,9 +178,17 @@ def run(args: argparse.Namespace) -> int:
     if total - len(counts) < 1:
         raise CLIError(f"{args.path!r}: its attention layers have one head each; there is nothing to remove")
     try:
-        embed(model, heldout[:1])
+        check = embed(model, batches)  # every batch once, before the sweep: the outputs must be finite
     except ValueError as err:
         raise CLIError(f"{args.path!r}: {err}") from err
+    if not bool(torch.isfinite(check).all()):
+        bad = int((~torch.isfinite(check)).any(dim=-1).sum())
+        raise CLIError(
+            f"{args.path!r}: the model's outputs on --inputs are not finite (NaN or inf in {bad} of {check.shape[0]} "
+            "embeddings) before any head is removed, so no fidelity can be measured; check the weights (a diverged "
+            "or wrongly converted checkpoint?)"
+        )
+    del check
     orders: dict[str, Any] = {}
     need_div = {"diversity", "combined"} & set(rankings_wanted)
     need_imp = {"importance", "combined"} & set(rankings_wanted)
@@ -234,10 +245,13 @@ def run(args: argparse.Namespace) -> int:
         "pruned": pruned_info,
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1, allow_nan=False), encoding="utf-8")
+    # NaN (an ablation that broke the outputs) is written as null: the file stays valid JSON
+    no_link(out / "results.json").write_text(
+        json.dumps(finite_json(result), indent=1, allow_nan=False), encoding="utf-8"
+    )
     table = format_table(rows)
-    (out / "results.md").write_text(table + "\n", encoding="utf-8")
-    plot(rows, out / "fidelity.png", title=f"Heads removed from {Path(args.path).name}")
+    no_link(out / "results.md").write_text(table + "\n", encoding="utf-8")
+    plot(rows, no_link(out / "fidelity.png"), title=f"Heads removed from {Path(args.path).name}")
     print(table)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'fidelity.png'}")
     return 0

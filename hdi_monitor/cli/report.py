@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from hdi_monitor.cli._common import CLIError, add_model_arguments
+from hdi_monitor.cli._common import CLIError, _os_error, add_model_arguments, prepare_out_dir
 
 HELP = "report the head diversity of a trained model (Hugging Face folder, Lightning checkpoint or state_dict)"
 
@@ -64,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json", action="store_true", help="print the report as JSON on stdout (DiversityReport.to_dict schema)"
     )
     parser.add_argument("--out", metavar="DIR", help="write heatmap PNGs, an HDI-by-layer plot and index.html here")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a non-empty --out folder (files of the same names are replaced)",
+    )
     parser.add_argument(
         "--allow-pickle",
         action="store_true",
@@ -190,8 +195,10 @@ def _import_class(spec: str) -> type:
     if not module_name or not class_name:
         raise CLIError(f"--module must be 'package.module.Class', got {spec!r}")
     cwd = os.getcwd()
-    if cwd not in sys.path:  # like `python -m`: modules next to the user's scripts import
-        sys.path.insert(0, cwd)
+    if cwd not in sys.path:
+        # last, so that modules next to the user's scripts import, but a stray file there (a jinja2.py)
+        # never shadows an installed package that the command imports later
+        sys.path.append(cwd)
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
@@ -343,6 +350,54 @@ def _load_state_dict_model(path: Path, state: dict[str, Any], config: str) -> An
     )
 
 
+#: Files that hold a tokenizer's vocabulary; a folder with none of them has no real tokenizer.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "vocab.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+    "source.spm",
+    "vocab.model",
+)
+
+
+def _text_tokenizer(args: argparse.Namespace, default: str | None) -> Any:
+    """The tokenizer for a ``.txt`` ``--inputs`` (None when the inputs are not text): from
+    ``--tokenizer``, else from ``default`` (the model or ``--config`` folder). Refused (CLIError)
+    unless a real tokenizer is found: a folder without tokenizer files makes transformers 5 build a
+    placeholder of a few special tokens that turns every word into ``[UNK]``."""
+    if not (args.inputs and str(args.inputs).endswith(".txt")):
+        return None
+    named = getattr(args, "tokenizer", None)
+    where = named or default
+    option = f"--tokenizer {named!r}" if named else (f"{default!r}" if default else "")
+    if where is None:
+        return None  # load_inputs says that text needs a tokenizer
+    folder = Path(where)
+    if named and not folder.exists():
+        raise CLIError(f"--tokenizer {named!r}: no such folder")
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise CLIError(
+            f"--inputs is text but {option} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); "
+            "transformers would build a placeholder tokenizer that reads every word as [UNK]. Name the tokenizer "
+            "folder with --tokenizer DIR, or give a .pt file of token ids"
+        )
+    with _quiet_transformers() as transformers:
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except Exception as err:  # noqa: BLE001
+            raise CLIError(f"--inputs is text but {option} has no usable tokenizer ({_one_line(err)})") from err
+    specials = len(set(getattr(tokenizer, "all_special_tokens", []) or []))
+    if len(tokenizer) <= specials + 1:
+        raise CLIError(
+            f"--inputs is text but the tokenizer of {option} has {len(tokenizer)} tokens, its special tokens only: "
+            "every word would be [UNK]. Name a real tokenizer with --tokenizer DIR, or give a .pt file of token ids"
+        )
+    return tokenizer
+
+
 def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """Load PATH as described by the options. Returns ``(model, tokenizer or None)``."""
     from torch import nn
@@ -355,7 +410,7 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
             raise CLIError(
                 "--module and --config exclude each other (--module: Lightning checkpoint; --config: plain state_dict)"
             )
-        return _load_lightning(path, args.module, args.allow_pickle), None
+        return _load_lightning(path, args.module, args.allow_pickle), _text_tokenizer(args, None)
     if path.is_dir():
         if args.config:
             raise CLIError("--config is for a plain state_dict file; a Hugging Face folder brings its own config.json")
@@ -366,15 +421,7 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
                 model = transformers.AutoModel.from_pretrained(str(path), local_files_only=True)
             except Exception as err:  # noqa: BLE001
                 raise CLIError(f"cannot load a Hugging Face model from {args.path!r} ({_one_line(err)})") from err
-            tokenizer = None
-            if args.inputs and str(args.inputs).endswith(".txt"):
-                try:
-                    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-                except Exception as err:  # noqa: BLE001
-                    raise CLIError(
-                        f"--inputs is text but {args.path!r} has no usable tokenizer ({_one_line(err)})"
-                    ) from err
-        return model, tokenizer
+        return model, _text_tokenizer(args, str(path))
     obj = _torch_load(path, args.allow_pickle, "PATH")
     if isinstance(obj, nn.Module):
         return obj, None
@@ -390,17 +437,7 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
             f"{args.path!r} is a plain state_dict: pass --config with the Hugging Face config.json that built it"
         )
     model = _load_state_dict_model(path, state, args.config)
-    tokenizer = None
-    if args.inputs and str(args.inputs).endswith(".txt"):
-        with _quiet_transformers() as transformers, contextlib.suppress(Exception):
-            tokenizer = transformers.AutoTokenizer.from_pretrained(
-                str(_config_path(args.config).parent), local_files_only=True
-            )
-        if tokenizer is None:
-            raise CLIError(
-                "--inputs is text but the --config folder has no tokenizer; give a .pt file of token ids instead"
-            )
-    return model, tokenizer
+    return model, _text_tokenizer(args, str(_config_path(args.config).parent))
 
 
 def load_inputs(path_str: str, model: Any, tokenizer: Any, allow_pickle: bool) -> Any:
@@ -489,13 +526,8 @@ def run(args: argparse.Namespace) -> int:
     projections = _projections(args.projections)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise CLIError(f"--max-tokens must be a positive integer, got {args.max_tokens}")
-    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
-        raise CLIError(f"--out {args.out!r} exists and is not a folder")
-    if args.out:
-        try:  # fail before the model is loaded and measured, not after
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise CLIError(f"--out {args.out!r}: cannot create the folder {_os_error(err, args.out)}") from err
+    if args.out:  # fail before the model is loaded and measured, not after
+        prepare_out_dir(args.out, args.force)
     import torch
 
     try:
@@ -559,17 +591,6 @@ def run(args: argparse.Namespace) -> int:
         _discard_stdout()
         raise CLIError(f"cannot write the report to {name}: {err.strerror or err}") from err
     return 0
-
-
-def _os_error(err: OSError, default: str) -> str:
-    """``'path': reason`` of an OSError, in words (``'runs/x/index.html': No space left on device``)."""
-    where = err.filename if err.filename is not None else default
-    reason = err.strerror or str(err) or type(err).__name__
-    if isinstance(err, (NotADirectoryError, FileExistsError)) and not isinstance(err, IsADirectoryError):
-        reason += " (a file stands where a folder is expected)"
-    elif isinstance(err, IsADirectoryError):
-        reason += " (a folder stands where a file is expected)"
-    return f"{str(where)!r}: {reason}"
 
 
 def _stdout_name() -> str:

@@ -16,6 +16,11 @@ the layer output. Over the measured tokens:
   ones, and **above ``H`` for anti-correlated heads** (their contributions partly cancel);
 * mean off-diagonal correlation.
 
+A head whose contribution has zero variance (``C_ii <= ZERO_VARIANCE_RTOL * max_k C_kk``: a dead
+head, an all-zero output, a zero ``W_O`` block) contributes nothing and is not an independent head:
+it is reported in ``invalid_heads`` and ``V``, ``H_eff`` and the mean correlation are taken over the
+live heads only (``H`` in ``H_eff = H / V`` is the number of live heads).
+
 `HeadCovarianceAccumulator` accumulates ``C`` directly. It reads ``W_O`` when head outputs
 arrive (the forward pass's own weights), forms the contributions chunk by chunk, and keeps only
 float64 ``(n, sum_t c_h(t), M2)``: the token count, the ``H x D`` per-head sums of contributions and
@@ -73,6 +78,7 @@ __all__ = [
     "compute_results",
     "sync_accumulators",
     "subsample_mask",
+    "budget_mask",
     "DEFAULT_CHUNK_BYTES",
     "GRAM_BLOCK",
     "ZERO_VARIANCE_RTOL",
@@ -115,12 +121,17 @@ class HeadCovarianceResult:
         covariance: ``(H, H)`` float64 (on the CPU), ``C_ij = mean_t <c_i - mean c_i, c_j - mean c_j>``.
         correlation: ``(H, H)`` float64 (on the CPU), ``R_ij = C_ij / sqrt(C_ii C_jj)``; rows and
             columns of zero-variance heads (see `ZERO_VARIANCE_RTOL`) are NaN.
-        variance_ratio: ``V = sum_ij C_ij / sum_i C_ii`` (NaN when every head is constant).
-        effective_heads: ``H_eff = H / V``; ``H`` for uncorrelated heads, 1 for identical heads,
-            more than ``H`` for anti-correlated heads (``inf`` if their contributions cancel exactly).
-        mean_correlation: mean of the off-diagonal ``R_ij``, NaN entries left out (NaN when no
+        variance_ratio: ``V = sum_ij C_ij / sum_i C_ii`` over the live heads (NaN when every head
+            is constant).
+        effective_heads: ``H_eff = H_live / V`` over the live heads (``H_live`` = ``H`` minus the
+            invalid heads); ``H_live`` for uncorrelated heads, 1 for identical heads, more than
+            ``H_live`` for anti-correlated heads (``inf`` if their contributions cancel exactly).
+        mean_correlation: mean of the off-diagonal ``R_ij`` between live heads (NaN when no
             valid pair exists, e.g. ``H = 1``).
         num_tokens: number of tokens the moments were taken over.
+        invalid_heads: heads whose contribution has zero variance (dead heads, an all-zero output
+            or a zero ``W_O`` block; see `ZERO_VARIANCE_RTOL`), in ascending order. They are left
+            out of ``variance_ratio``, ``effective_heads`` and ``mean_correlation``.
     """
 
     covariance: Tensor
@@ -129,6 +140,7 @@ class HeadCovarianceResult:
     effective_heads: float
     mean_correlation: float
     num_tokens: int
+    invalid_heads: tuple[int, ...] = ()
 
 
 def _as_heads(w: Any, num_heads: int | None = None, head_dim: int | None = None) -> Tensor:
@@ -158,8 +170,9 @@ def _as_heads(w: Any, num_heads: int | None = None, head_dim: int | None = None)
     return w
 
 
-def _metrics_tensors(c: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Device-side metrics of an ``(H, H)`` float64 covariance: ``(R, V, H_eff, mean R)``, no host sync."""
+def _metrics_tensors(c: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Device-side metrics of an ``(H, H)`` float64 covariance: ``(R, V, H_eff, mean R, constant)``
+    over the live heads (``constant``: the bool mask of zero-variance heads), no host sync."""
     h = c.shape[0]
     var = c.diagonal()
     top = var.max()
@@ -172,12 +185,16 @@ def _metrics_tensors(c: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     eye = torch.eye(h, dtype=torch.bool, device=c.device)
     # Exact ones on the diagonal of valid heads (rounding would give 1 +- eps).
     corr = torch.where(eye & ~pair_bad, torch.ones_like(corr), corr)
-    trace = var.sum()
-    ratio = torch.where(trace > 0, c.sum() / torch.where(trace > 0, trace, 1.0), nan)
+    # dead heads are not independent heads: V and H_eff are taken over the live ones
+    live_pairs = ~pair_bad
+    trace = torch.where(constant, 0.0, var).sum()
+    total = torch.where(live_pairs, c, 0.0).sum()
+    ratio = torch.where(trace > 0, total / torch.where(trace > 0, trace, 1.0), nan)
     inf = torch.full((), float("inf"), dtype=c.dtype, device=c.device)
-    eff = torch.where(ratio <= 0, inf, h / ratio)  # NaN stays NaN
+    live = (~constant).sum().to(c.dtype)
+    eff = torch.where(ratio <= 0, inf, live / ratio)  # NaN stays NaN
     mean_corr = torch.nanmean(torch.where(eye, nan, corr)) if h > 1 else nan
-    return corr, ratio, eff, mean_corr
+    return corr, ratio, eff, mean_corr, constant
 
 
 def _packed_results(covs: Sequence[Tensor], counts: Sequence[Tensor | int]) -> list[HeadCovarianceResult]:
@@ -190,9 +207,9 @@ def _packed_results(covs: Sequence[Tensor], counts: Sequence[Tensor | int]) -> l
         parts = []
         for i in idx:
             c = covs[i]
-            corr, ratio, eff, mean_corr = _metrics_tensors(c)
+            corr, ratio, eff, mean_corr, constant = _metrics_tensors(c)
             n = torch.as_tensor(counts[i], device=device).to(_F64).reshape(1)
-            parts += [n, c.reshape(-1), corr.reshape(-1), torch.stack([ratio, eff, mean_corr])]
+            parts += [n, c.reshape(-1), corr.reshape(-1), torch.stack([ratio, eff, mean_corr]), constant.to(_F64)]
         host = torch.cat(parts).cpu()  # the one device-to-host transfer for this device
         pos = 0
         for i in idx:
@@ -201,8 +218,10 @@ def _packed_results(covs: Sequence[Tensor], counts: Sequence[Tensor | int]) -> l
             cov = host[pos + 1 : pos + 1 + h * h].reshape(h, h).clone()
             corr_host = host[pos + 1 + h * h : pos + 1 + 2 * h * h].reshape(h, h).clone()
             scalars = [float(v) for v in host[pos + 1 + 2 * h * h : pos + 4 + 2 * h * h]]
-            pos += 4 + 2 * h * h
-            out[i] = HeadCovarianceResult(cov, corr_host, scalars[0], scalars[1], scalars[2], tokens)
+            flags = host[pos + 4 + 2 * h * h : pos + 4 + 2 * h * h + h]
+            pos += 4 + 2 * h * h + h
+            invalid = tuple(int(k) for k in torch.nonzero(flags > 0.5).flatten().tolist())
+            out[i] = HeadCovarianceResult(cov, corr_host, scalars[0], scalars[1], scalars[2], tokens, invalid)
     return out  # type: ignore[return-value]
 
 
@@ -259,6 +278,39 @@ def subsample_mask(keep: Tensor, max_tokens: int, generator: torch.Generator | N
     out = torch.zeros_like(keep)
     out[chosen] = True
     return out & keep
+
+
+def budget_mask(keep: Tensor, left: Tensor | int, generator: torch.Generator | None = None) -> Tensor:
+    """Choose at most ``left`` of the kept tokens, uniformly at random without replacement, with
+    ``left`` a tensor on the device (no host sync).
+
+    Draws one ``torch.randperm(keep.numel())`` from ``generator`` (None: a private CPU generator
+    seeded with 0), like `subsample_mask`, and makes the same choice as ``subsample_mask(keep,
+    left)`` for the same generator state: the kept tokens with the ``left`` best random ranks.
+
+    Args:
+        keep: ``(N,)`` bool, True for tokens that may be chosen.
+        left: how many may be chosen (a 0-d integer tensor or an int; 0 or less chooses none).
+        generator: the RNG to draw from.
+
+    Returns:
+        ``(N,)`` bool mask on ``keep``'s device.
+    """
+    if not isinstance(keep, Tensor) or keep.dtype != torch.bool or keep.ndim != 1:
+        raise TypeError("keep must be a 1-D bool tensor")
+    n = keep.numel()
+    if generator is None:
+        generator = torch.Generator().manual_seed(0)
+    perm = torch.randperm(n, generator=generator, device=generator.device).to(keep.device)
+    rank = torch.empty_like(perm)
+    rank[perm] = torch.arange(n, device=keep.device)
+    rank = torch.where(keep, rank, torch.full_like(rank, n))  # masked-out tokens last
+    order = torch.argsort(rank)
+    kept_sorted = keep[order]
+    chosen_sorted = kept_sorted & (torch.cumsum(kept_sorted, 0) <= torch.as_tensor(left, device=keep.device))
+    out = torch.zeros_like(keep)
+    out[order] = chosen_sorted
+    return out
 
 
 def head_covariance(o: Tensor, w_out: Tensor, keep_mask: Tensor | None = None) -> HeadCovarianceResult:
@@ -340,6 +392,11 @@ class HeadCovarianceAccumulator:
             callable would be called there, which under FSDP2 is a collective on that rank alone).
         max_tokens: if set, each `update` call keeps at most this many of its (unmasked)
             tokens, chosen uniformly at random without replacement (see `subsample_mask`).
+        total_tokens: if set, all `update` calls together (until `reset`) keep at most this many
+            tokens: a call that could pass the budget keeps a uniform random subsample of its kept
+            tokens, as many as the budget has left (see `budget_mask`; no host sync). A module
+            called several times per forward pass (ALBERT's shared layer) or several micro-batches
+            then cannot let more than this through. Tokens added by `merge` count against it too.
         device: where to keep the state; default: the device of the first ``o``.
         generator: RNG for the subsampling; it may live on another device. None: a private CPU
             generator seeded with 0, owned by the accumulator (the global generators are never
@@ -370,10 +427,16 @@ class HeadCovarianceAccumulator:
         generator: torch.Generator | None = None,
         chunk_size: int | None = None,
         matmul_dtype: MatmulDtype = "auto",
+        total_tokens: int | None = None,
     ) -> None:
         check_int("num_heads", num_heads)
         check_int("head_dim", head_dim)
-        for name, value in (("model_dim", model_dim), ("max_tokens", max_tokens), ("chunk_size", chunk_size)):
+        for name, value in (
+            ("model_dim", model_dim),
+            ("max_tokens", max_tokens),
+            ("chunk_size", chunk_size),
+            ("total_tokens", total_tokens),
+        ):
             if value is not None:
                 check_int(name, value)
         check_instance("generator", generator, torch.Generator, optional=True)
@@ -393,6 +456,8 @@ class HeadCovarianceAccumulator:
         self.w_out = w_out
         self.model_dim = model_dim
         self.max_tokens = max_tokens
+        self.total_tokens = total_tokens
+        self._offered = 0  # host upper bound on the tokens taken since the last reset (no sync)
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self.chunk_size = chunk_size
         self.matmul_dtype = matmul_dtype
@@ -455,6 +520,7 @@ class HeadCovarianceAccumulator:
         self._n = self._sum = self._m2 = None
         self._n_host = None
         self._synced = False
+        self._offered = 0
 
     def _merge_moments(self, n_b: Tensor, sum_b: Tensor, m2_b: Tensor) -> None:
         """Chan et al.'s pairwise update in contribution space:
@@ -555,6 +621,13 @@ class HeadCovarianceAccumulator:
             if keep is None:
                 keep = torch.ones(n_tok, dtype=torch.bool, device=flat.device)
             keep = subsample_mask(keep, self.max_tokens, self.generator)
+        if self.total_tokens is not None and self._offered + n_tok > self.total_tokens:
+            # this call may pass the budget: keep at most what is left of it (a device-side count)
+            if keep is None:
+                keep = torch.ones(n_tok, dtype=torch.bool, device=flat.device)
+            left = (self.total_tokens - self._state()[0]).clamp_min(0).to(flat.device)
+            keep = budget_mask(keep, left, self.generator)
+        self._offered += n_tok
         if n_tok == 0:
             return
         wide = o.dtype == _F64 or w.dtype == _F64 or self._state()[1].device.type == "cpu"
@@ -626,6 +699,7 @@ class HeadCovarianceAccumulator:
             self._init_state(self._device if self._device is not None else sum_o.device, sum_o.shape[1])
         dev = self._state()[1].device
         self._merge_moments(n_o.to(dev), sum_o.to(dev), m2_o.to(dev))
+        self._offered += other._offered if other._offered else (self.total_tokens or 0)
 
     def sync(self, group: Any = None) -> None:
         """Sum the state over the ranks of ``group``: ``sync_accumulators([self], group)`` (a collective)."""
@@ -700,6 +774,7 @@ class HeadCovarianceAccumulator:
         self._m2 = m2.to(device=dev, dtype=_F64).clone()
         self._n_host = None
         self._synced = bool(state.get("synced", False))
+        self._offered = self.total_tokens or 0  # unknown here: later updates check the budget on the device
 
     def __repr__(self) -> str:
         return (

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from hdi_monitor._validation import check_choice, check_int
 from hdi_monitor.exceptions import AdapterMismatch
+from hdi_monitor.models._parametrize import preserved_parametrizations
 
 __all__ = [
     "PROJECTIONS",
@@ -285,13 +286,16 @@ class AttentionLayer:
         """Per-head weights of one projection, ``(heads, D_in, d)``.
 
         Detached, in the parameter's own dtype and device (no copy to CPU); DTensor parameters are
-        gathered. For query/key/value ``x @ W_h (+ bias)`` is head ``h``'s projection of
+        gathered. A parametrized weight (``torch.nn.utils.parametrizations``) is the one the next
+        forward pass computes, and the read leaves every parametrization's buffers as they were
+        (``spectral_norm``'s power iteration is not advanced). For query/key/value ``x @ W_h (+ bias)`` is head ``h``'s projection of
         ``x in R^{D_in}``; for output ``W_O,h in R^{D x d}`` maps head ``h``'s output to its
         contribution to the layer output.
         """
         heads = self.heads_for(projection)
         d = self.projection_dims[projection]
-        w = full_weight(self._weights[projection]())
+        with preserved_parametrizations(self.module, self._output_module):  # spectral_norm: no power step kept
+            w = full_weight(self._weights[projection]())
         if projection == "output":
             _check_divides(self.name, projection, w.shape[1], heads, d, "input features")
             return split_in_features(w, heads)

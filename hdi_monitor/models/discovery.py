@@ -11,6 +11,7 @@ from functools import partial
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from hdi_monitor.models._parametrize import preserved_parametrizations
 from hdi_monitor.models.base import (
     AdapterMismatch,
     AttentionLayer,
@@ -147,7 +148,9 @@ def discover_attention(
     root_config = None if isinstance(cfg, nn.Module) else cfg
     token = ROOT_CONFIG.set(root_config)
     try:
-        found, skipped, spec_hits = _walk(model, specs, adapters, root_config)
+        # shapes and weights read while building layers must not advance a parametrization
+        with preserved_parametrizations(model):
+            found, skipped, spec_hits = _walk(model, specs, adapters, root_config)
     finally:
         ROOT_CONFIG.reset(token)
     unused = [s for s, hits in zip(specs, spec_hits, strict=True) if not hits]
@@ -180,11 +183,15 @@ def _walk(
     spec_hits = [0] * len(specs)
     candidates: list[tuple[str, str, nn.Module]] = []
     inside: str | None = None
+    configs = _sub_model_configs(model, root_config)
     for raw_name, module in model.named_modules():
         if inside is not None and _inside(raw_name, inside):
             continue
         inside = None
         name = unwrapped_name(raw_name)
+        # each sub-model follows its own model's config (a T5 inside a LightningModule: the decoder's mask)
+        sub_config = configs.get(raw_name, root_config)
+        ROOT_CONFIG.set(sub_config)
         hit = next((i for i, s in enumerate(specs) if s.matches(name, module)), None)
         refused = class_refusal(module) if hit is None else None
         if refused is not None:
@@ -194,7 +201,7 @@ def _walk(
             continue
         if hit is not None:
             spec_hits[hit] += 1
-            build, family = partial(specs[hit].build, root_config=root_config), specs[hit].family
+            build, family = partial(specs[hit].build, root_config=sub_config), specs[hit].family
         else:
             adapter = next((a for a in adapters if a.match(name, module)), None)
             if adapter is None:
@@ -241,6 +248,27 @@ def _walk(
     order = {unwrapped_name(n): i for i, (n, _) in enumerate(model.named_modules())}
     skipped.sort(key=lambda s: order.get(s.name, 0))
     return found, skipped, spec_hits
+
+
+def _config_of(module: nn.Module) -> object | None:
+    cfg = getattr(module, "config", None)
+    return None if cfg is None or isinstance(cfg, nn.Module) else cfg
+
+
+def _sub_model_configs(model: nn.Module, root_config: object) -> dict[str, object]:
+    """For every module name, the config of the model it belongs to: the outermost module on its
+    path (the root first) that holds a ``config``; ``root_config`` when none does. A Hugging Face
+    model wrapped in a LightningModule (or two towers in a user's dual encoder) is read with its
+    own config, however deep it sits."""
+    out: dict[str, object] = {}
+    for raw_name, module in model.named_modules():
+        if raw_name == "":
+            out[raw_name] = root_config
+            continue
+        parent = raw_name.rpartition(".")[0]
+        inherited = out.get(parent, root_config)
+        out[raw_name] = inherited if inherited is not None else _config_of(module)
+    return out
 
 
 def find_attention_layers(

@@ -10,6 +10,8 @@ is a dict holding the layer's ``mask_key`` with a matching shape.
 from __future__ import annotations
 
 import contextlib
+import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -17,10 +19,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hdi_monitor.exceptions import MonitoringWarning
 from hdi_monitor.functional.covariance import HeadCovarianceAccumulator
 from hdi_monitor.models import AttentionLayer
 
-__all__ = ["attach_output_hooks", "call_model", "iter_batches", "batch_mask", "eval_mode"]
+__all__ = [
+    "CallCounts",
+    "attach_output_hooks",
+    "batch_mask",
+    "call_model",
+    "eval_mode",
+    "iter_batches",
+    "mask_mismatch_message",
+    "output_accumulator",
+]
 
 
 def batch_mask(batch: Any, key: str | None) -> Tensor | None:
@@ -31,11 +43,64 @@ def batch_mask(batch: Any, key: str | None) -> Tensor | None:
     return mask if isinstance(mask, Tensor) else None
 
 
-def _on_output(acc: HeadCovarianceAccumulator, mask: Tensor | None, o: Tensor, keep: Tensor | None) -> None:
-    if mask is not None and tuple(mask.shape) == tuple(o.shape[:-1]):
-        mask = mask.to(device=o.device, dtype=torch.bool)
-        keep = mask if keep is None else keep & mask
+#: Layers already warned about a mask that does not fit their tokens (once per layer object).
+_MASK_WARNED: weakref.WeakSet[AttentionLayer] = weakref.WeakSet()
+
+
+def mask_mismatch_message(layer: str, key: str, mask_shape: tuple[int, ...], token_shape: tuple[int, ...]) -> str:
+    """What `attach_output_hooks` says when ``batch[key]`` does not fit a layer's hooked tokens."""
+    return (
+        f"hdi-monitor: {layer}: the batch's token mask {key!r} has shape {mask_shape} but the layer's head "
+        f"outputs cover tokens of shape {token_shape} (the model may prepend tokens, or the mask belongs to "
+        "another tower or sub-model). The mask is not applied to this layer: its activation statistics count "
+        "every one of its tokens, padding included. Give the layer its own mask with "
+        "AttentionSpec(mask_key=...), or mask_key=None to silence this. (Said once per layer.)"
+    )
+
+
+class CallCounts:
+    """How often each layer's attention module and its head-output hook ran while attached.
+
+    A layer whose module ran but whose hook never did calls its output projection's weight directly
+    (``F.linear(x, self.out_proj.weight)``) or not at all: its statistics are missing for a reason
+    the caller should name (see `silent_layers`).
+    """
+
+    def __init__(self) -> None:
+        self.module_calls: dict[str, int] = {}
+        self.output_calls: dict[str, int] = {}
+
+    def silent_layers(self) -> list[str]:
+        """Layers whose module ran while their head-output hook never fired."""
+        return [n for n, c in self.module_calls.items() if c > 0 and self.output_calls.get(n, 0) == 0]
+
+
+def _on_output(
+    acc: HeadCovarianceAccumulator,
+    mask: Tensor | None,
+    layer: AttentionLayer,
+    counts: CallCounts | None,
+    o: Tensor,
+    keep: Tensor | None,
+) -> None:
+    if counts is not None:
+        counts.output_calls[layer.name] = counts.output_calls.get(layer.name, 0) + 1
+    if mask is not None:
+        if tuple(mask.shape) == tuple(o.shape[:-1]):
+            mask = mask.to(device=o.device, dtype=torch.bool)
+            keep = mask if keep is None else keep & mask
+        elif layer not in _MASK_WARNED:
+            _MASK_WARNED.add(layer)
+            warnings.warn(
+                mask_mismatch_message(layer.name, str(layer.mask_key), tuple(mask.shape), tuple(o.shape[:-1])),
+                MonitoringWarning,
+                stacklevel=2,
+            )
     acc.update(o.detach(), keep)
+
+
+def _count_module_call(counts: CallCounts, name: str, *_: Any) -> None:
+    counts.module_calls[name] = counts.module_calls.get(name, 0) + 1
 
 
 def attach_output_hooks(
@@ -43,17 +108,26 @@ def attach_output_hooks(
     accumulators: Sequence[HeadCovarianceAccumulator | None],
     batch: Any = None,
     on_error: Callable[[Exception], None] | None = None,
+    counts: CallCounts | None = None,
 ) -> list[Any]:
     """Feed every layer's head outputs into its accumulator; returns handles to ``.remove()``.
 
-    With ``on_error``, an exception inside a hook goes to ``on_error(err)`` instead of the forward pass.
+    A batch mask (``batch[layer.mask_key]``) whose shape is not the shape of the layer's hooked
+    tokens is not applied, and a `MonitoringWarning` says so once per layer, naming both shapes.
+    With ``on_error``, an exception inside a hook goes to ``on_error(err)`` instead of the forward
+    pass. With ``counts``, the calls of each layer's module and of its head-output hook are counted
+    there (a counting forward pre-hook on the attention module, removed with the others).
     """
-    handles = []
+    handles: list[Any] = []
     try:
         for layer, acc in zip(layers, accumulators, strict=True):
             if acc is not None:
-                fn = partial(_on_output, acc, batch_mask(batch, layer.mask_key))
+                fn = partial(_on_output, acc, batch_mask(batch, layer.mask_key), layer, counts)
                 handles.append(layer.attach_output_hook(fn, on_error=on_error))
+                if counts is not None:
+                    counts.module_calls.setdefault(layer.name, 0)
+                    counter = partial(_count_module_call, counts, layer.name)
+                    handles.append(layer.module.register_forward_pre_hook(counter))
     except BaseException:
         for handle in handles:
             handle.remove()
@@ -99,7 +173,11 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
 def output_accumulator(layer: AttentionLayer, **kwargs: Any) -> HeadCovarianceAccumulator:
     """A covariance accumulator for ``layer`` that reads the layer's own ``W_O`` in every update
     (inside the forward pass: the weights that produced the head outputs); ``kwargs`` go to
-    `HeadCovarianceAccumulator`."""
+    `HeadCovarianceAccumulator`, except ``max_tokens``, which caps the tokens of all updates
+    together (``total_tokens``): a layer called several times per forward pass (ALBERT) or over
+    several micro-batches takes at most ``max_tokens`` tokens per accumulator (per measured step)."""
+    if "max_tokens" in kwargs:  # a cap per layer for the accumulator's whole life (a measured step)
+        kwargs["total_tokens"] = kwargs.pop("max_tokens")
     return HeadCovarianceAccumulator(
         layer.num_heads,
         layer.head_dim,

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from hdi_monitor._validation import check_choice, check_instance, check_int, check_regex
 from hdi_monitor.models.base import AttentionLayer, KVMap, WeightSource
+from hdi_monitor.models.layout import DIM_ATTRS, HEADS_ATTRS
 from hdi_monitor.models.layouts import PACKINGS, Packing, default_mask_key, resolve_heads, split_fused
 from hdi_monitor.models.weights import is_projection, linear_weight
 
@@ -185,8 +186,7 @@ class AttentionSpec:
             pattern = self._pattern.pattern
             raise type(exc)(
                 f"{exc}. The regex {pattern!r} matched part of {name!r} (modules= is searched with "
-                f"re.search); anchor it, e.g. {'^' + pattern.lstrip('^').rstrip('$') + '$'!r}, to match "
-                "whole names only"
+                f"re.search); anchor it, e.g. {anchored(pattern)!r}, to match whole names only"
             ) from None
 
     def _build(self, name: str, module: nn.Module, root_config: Any) -> AttentionLayer:
@@ -250,6 +250,7 @@ class AttentionSpec:
                 self._warn_if_packed(name, tensors)
         except ValueError as exc:  # AdapterMismatch included: a spec's mismatch is the user's error
             raise ValueError(f"{exc} (AttentionSpec(modules={self.modules!r}))") from None
+        self._check_declared(name, module, heads, d, out_shape[1])
         sources["output"] = out_src
         out_mod = self._output_module(name, module)
         key = default_mask_key(name, module, root_config) if self.mask_key == "auto" else self.mask_key
@@ -266,6 +267,43 @@ class AttentionSpec:
             mask_key=key,
             kv_map=self.kv_map,
         )
+
+    def _check_declared(self, name: str, module: nn.Module, heads: int, head_dim: int, inner: int) -> None:
+        """Refuse a spec whose head count contradicts the one the module itself declares.
+
+        Only a declaration that fits the weights counts (``declared heads x declared head_dim`` is
+        the out-projection's input width, or one of them divides it): a count that sharding rewrote
+        (tensor parallelism sets ``num_heads //= tp``) no longer fits the full weights and is left
+        alone, as discovery does.
+        """
+        if self.num_heads is None and self.head_dim is None:
+            return  # the counts were read from the module: nothing to contradict
+        own_heads = next((v for n in HEADS_ATTRS if (v := _positive(getattr(module, n, None))) is not None), None)
+        own_dim = next((v for n in DIM_ATTRS if (v := _positive(getattr(module, n, None))) is not None), None)
+        if own_heads is None and own_dim is None:
+            return
+        if own_heads is not None and own_dim is not None:
+            fits = own_heads * own_dim == inner
+        else:
+            fits = inner % (own_heads or own_dim or 1) == 0
+        if not fits:
+            return
+        if own_heads is None:
+            assert own_dim is not None
+            own_heads = inner // own_dim
+        own_dim = own_dim or inner // own_heads
+        if (own_heads, own_dim) != (heads, head_dim):
+            given = ", ".join(
+                f"{label}={value}"
+                for label, value in (("num_heads", self.num_heads), ("head_dim", self.head_dim))
+                if value is not None
+            )
+            raise ValueError(
+                f"{name}: AttentionSpec({given}) reads {heads} heads of width {head_dim}, but "
+                f"{type(module).__name__} declares {own_heads} heads of width {own_dim} (its attributes fit "
+                f"the weights: {own_heads} x {own_dim} = {inner}); remove num_heads/head_dim from the spec to "
+                "read them from the module, or correct them"
+            )
 
     def _warn_if_packed(self, name: str, tensors: dict[str, Tensor]) -> None:
         """Slices of one fused weight given as query/key/value: their layout cannot be checked."""
@@ -300,6 +338,19 @@ class AttentionSpec:
         if not isinstance(out_mod, nn.Module):
             raise ValueError(f"{name}: AttentionSpec.output_module={out_path!r} is not an nn.Module")
         return out_mod
+
+
+def _positive(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def anchored(pattern: str) -> str:
+    """``pattern`` anchored to whole names: ``^...$``, an alternation grouped first
+    (``'attn|mlp'`` -> ``'^(attn|mlp)$'``, which does not match ``attn_norm``)."""
+    inner = pattern.removeprefix("^").removesuffix("$")
+    if "|" in inner:
+        inner = f"({inner})"
+    return f"^{inner}$"
 
 
 def as_specs(spec: AttentionSpec | Sequence[AttentionSpec] | None) -> tuple[AttentionSpec, ...]:

@@ -61,6 +61,7 @@ from hdi_monitor.functional.diversity import pairwise_principal_angles
 from hdi_monitor.models import AttentionLayer, find_attention_layers
 from hdi_monitor.models.base import Projection
 from hdi_monitor.models.hooks import (
+    CallCounts,
     attach_output_hooks,
     call_model,
     eval_mode,
@@ -68,6 +69,7 @@ from hdi_monitor.models.hooks import (
     output_accumulator,
 )
 from hdi_monitor.models.sharding import is_fsdp1_module
+from hdi_monitor.monitor import gaps, ranks, resume
 from hdi_monitor.monitor._layers import describe_change, heads_text, naming_hint, signature, submodule
 from hdi_monitor.monitor._warnings import summarize_events, warn
 from hdi_monitor.monitor.config import (
@@ -108,6 +110,7 @@ class _Pending:
     report: DiversityReport
     accumulators: list[HeadCovarianceAccumulator | None]
     forward_expected: bool = True  # False for weight-only measurements (step() without capture())
+    counts: CallCounts = field(default_factory=CallCounts)  # module / head-output hook calls per layer
 
 
 class HDITracker:
@@ -198,6 +201,8 @@ class HDITracker:
         self._notes: list[str] = []  # MonitoringWarning lines of the measurement under way (one warning)
         self._invalid_seen: set[tuple[str, str]] = set()  # (layer, projection) already warned about
         self._failed_sinks: set[int] = set()  # id() of sinks that failed once (warned once)
+        self._gap_seen: tuple[set[str], set[str]] = (set(), set())  # layers told: hook never fired / < 2 tokens
+        self._delivery = gaps.SinkDelivery()  # sinks that have the layout and levels text
         self._pending: _Pending | None = None
         self._scheduled: int | None = None  # step of the measurement under way (set even if it failed)
         self._handles: list[Any] = []
@@ -233,7 +238,20 @@ class HDITracker:
                 f"hdi-monitor cannot watch {type(self.model).__name__}: {err}{naming_hint(self.model)}"
             ) from err
         self._set_layers(found)
+        ranks.check_ranks_agree(self._fingerprint(found))  # one small collective: all ranks watch the same
         return found
+
+    def _fingerprint(self, layers: list[AttentionLayer]) -> dict[str, str]:
+        c = self.config
+        return ranks.fingerprint(
+            layers,
+            every_n_steps=self.every_n_steps,
+            log_images_every_n_steps=self.log_images_every_n_steps,
+            projections=self.projections,
+            weighting=self.weighting,
+            activations=self.activations,
+            max_tokens=c.max_tokens,
+        )
 
     def _set_layers(self, layers: list[AttentionLayer]) -> None:
         paths = {id(m): n for n, m in self.model.named_modules()}
@@ -415,6 +433,7 @@ class HDITracker:
         Python types: JSON-ready, and loadable with ``torch.load(..., weights_only=True)``)."""
         return {
             "generator": base64.b64encode(self.generator.get_state().numpy().tobytes()).decode("ascii"),
+            "settings": resume.settings(self.every_n_steps, self.projections),
             "history": [dict(h) for h in self.history],
             "last_step": self._last_step,
             "step": self._step,
@@ -426,7 +445,10 @@ class HDITracker:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.history = [dict(h) for h in state.get("history", [])]
+        now = resume.settings(self.every_n_steps, self.projections)
+        self.history, changed = resume.reconcile(state.get("settings"), now, state.get("history", []))
+        if changed:
+            warn(changed, MonitoringWarning, rank_zero_only=True)
         self._last_step = int(state.get("last_step", -1))
         self._step = int(state.get("step", 0))
         self.events = [DiversityEvent.from_dict(e) for e in state.get("events", [])]
@@ -457,7 +479,9 @@ class HDITracker:
     def _attach(self, batch: Any) -> None:
         pending = self._pending
         if pending is not None and self.activations:
-            self._handles += attach_output_hooks(self.layers, pending.accumulators, batch, on_error=self._hook_failed)
+            self._handles += attach_output_hooks(
+                self.layers, pending.accumulators, batch, on_error=self._hook_failed, counts=pending.counts
+            )
 
     def _hook_failed(self, err: Exception) -> None:
         """A head-output hook raised inside the forward pass: drop this measurement (in ``finish``
@@ -506,6 +530,11 @@ class HDITracker:
         # token counts are all-rank totals here, so every rank takes the same decision
         if pending.forward_expected and 0 in self.last_token_counts and _is_compiled(self.model):
             self._compile_fallback()
+        elif pending.forward_expected:  # an F.linear output projection, or < 2 real tokens: said once per layer
+            outs = {la.name: type(la.output_module).__name__ for la in self.layers}
+            self._notes += gaps.silent_hook_notes(pending.counts.silent_layers(), outs, self._gap_seen[0])
+            counts = {e.name: n for (_, e), n in zip(pairs, self.last_token_counts, strict=True)}
+            self._notes += gaps.few_token_notes(counts, pending.counts.output_calls, self._gap_seen[1])
 
     def _publish(self, pending: _Pending, pictures: tuple[dict[str, Tensor], dict[str, Tensor]]) -> Measurement:
         """Scalars, early warnings, sinks and history for a finished measurement (rank-local)."""
@@ -681,7 +710,7 @@ class HDITracker:
         if not self.sinks:
             return
         layout = levels = None
-        if not self.dashboard.layout_written:
+        if self._delivery.pending(self.sinks):  # until every sink has it (a failed write is retried)
             names: dict[str, list[str]] = {
                 p: [la.name for la in m.report.layers if la.hdi.get(p) is not None] for p in self.projections
             }
@@ -699,10 +728,11 @@ class HDITracker:
         first_error: Exception | None = None
         for sink in self.sinks:
             try:
-                if layout is not None:
+                if layout is not None and self._delivery.needs(sink):
                     sink.log_layout(layout)
-                if levels is not None:
-                    sink.log_text("hdi_levels", levels, m.step)
+                    if levels is not None:
+                        sink.log_text("hdi_levels", levels, m.step)
+                    self._delivery.done(sink)
                 sink.log_scalars(m.scalars, m.step)
                 if images:
                     sink.log_images(images, m.step)

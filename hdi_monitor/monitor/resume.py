@@ -1,0 +1,84 @@
+"""Resuming with changed settings: say what changed, keep what still fits.
+
+A tracker's state records the settings its history was measured with (`settings`). When a run
+resumes with a different ``every_n_steps`` or ``projections``, `reconcile` keeps every measured
+point (each is a measurement at its own step, whatever the schedule), drops the scalars of
+projections that are no longer measured, and returns one message naming each change, so the
+history is neither restarted in silence nor mixed with series that no longer continue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["reconcile", "settings"]
+
+#: Scalar tag prefixes that belong to one projection: ``<prefix>/<projection>...``.
+_PROJECTION_PREFIXES = ("hdi", "hdi_chance", "hdi_max", "invalid_heads")
+
+
+def settings(every_n_steps: int, projections: Sequence[str]) -> dict[str, Any]:
+    """The settings saved with a tracker's state (plain Python types)."""
+    return {"every_n_steps": int(every_n_steps), "projections": list(projections)}
+
+
+def _projection_of(tag: str) -> str | None:
+    parts = tag.split("/")
+    if len(parts) >= 2 and parts[0] in _PROJECTION_PREFIXES:
+        return parts[1]
+    return None
+
+
+def reconcile(
+    saved: Mapping[str, Any] | None, current: Mapping[str, Any], history: Sequence[Mapping[str, float]]
+) -> tuple[list[dict[str, float]], str | None]:
+    """The history to keep and the message to give when resuming under ``current`` settings.
+
+    Args:
+        saved: the settings stored in the state (None for a state from an older version: nothing
+            can be compared, everything is kept in silence).
+        current: this tracker's `settings`.
+        history: the saved history (one dict of scalars per measured step, with ``"step"``).
+
+    Returns:
+        ``(history, message)``: every point kept, minus the scalars of projections no longer
+        measured; ``message`` is None when nothing changed.
+    """
+    points = [dict(h) for h in history]
+    if not saved:
+        return points, None
+    changes = []
+    old_every, new_every = saved.get("every_n_steps"), current["every_n_steps"]
+    if old_every is not None and old_every != new_every:
+        changes.append(
+            f"every_n_steps {old_every} -> {new_every} (the points measured so far are kept; new points come every "
+            f"{new_every} steps, and the early-warning patience counts measured points, so it now spans a different "
+            "number of steps)"
+        )
+    old_proj = list(saved.get("projections") or [])
+    new_proj = list(current["projections"])
+    if old_proj and old_proj != new_proj:
+        gone = [p for p in old_proj if p not in new_proj]
+        added = [p for p in new_proj if p not in old_proj]
+        detail = []
+        if gone:
+            dropped = 0
+            for point in points:
+                for tag in [t for t in point if _projection_of(t) in gone]:
+                    del point[tag]
+                    dropped += 1
+            detail.append(f"{', '.join(gone)} no longer measured: its {dropped} saved scalar(s) dropped")
+        if added:
+            detail.append(f"{', '.join(added)} measured from now on (no history before this resume)")
+        if not detail:
+            detail.append("same projections in another order")
+        changes.append(f"projections {tuple(old_proj)} -> {tuple(new_proj)}: " + "; ".join(detail))
+    if not changes:
+        return points, None
+    kept = len(points)
+    message = (
+        f"hdi-monitor: resumed with changed settings; {kept} measured point(s) of the history are kept. "
+        + " ".join(f"Changed: {c}." for c in changes)
+    )
+    return points, message
