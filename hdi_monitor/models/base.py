@@ -204,7 +204,11 @@ class AttentionLayer:
         kv_map: how query heads share key/value heads (see `kv_head`).
         projection_dims: per-projection head width (``head_dim`` for all but Multi-head Latent
             Attention, whose query/key heads are wider or narrower than its value heads).
-        notes: what the report should say about this layer (e.g. parts left out of the HDI).
+        notes: what the report should say about this layer (e.g. parts left out of the HDI, which
+            head-count attribute is a tensor-parallel rank's share).
+        tensor_parallel: how tensor parallelism splits this layer's heads over ranks
+            (`hdi_monitor.models.tensor_parallel.TensorParallel`, read from its DTensor parameters),
+            or None. Head counts are always the global ones.
         output_module: the module whose input is the concatenated head output (hooked for
             activation statistics).
 
@@ -241,6 +245,15 @@ class AttentionLayer:
         self.kv_map = kv_map
         self.projection_dims: dict[str, int] = {p: head_dim for p in PROJECTIONS}
         self.projection_dims.update(projection_dims or {})
+        from hdi_monitor.models.tensor_parallel import tensor_parallel_of
+
+        self.tensor_parallel = tensor_parallel_of(module, name)
+        if self.tensor_parallel is not None and num_heads % self.tensor_parallel.size:
+            raise AdapterMismatch(
+                f"{name}: {num_heads} heads do not split evenly over {self.tensor_parallel.size} tensor-parallel ranks"
+            )
+        if self.tensor_parallel is not None and not any("tensor parallel" in n for n in notes):
+            notes = (*notes, f"{self.tensor_parallel.describe()}: {num_heads} heads counted from the full weights")
         self.notes = tuple(notes)
         self.name = name
         self.module = module

@@ -25,7 +25,8 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from hdi_monitor.models.base import AdapterMismatch, AttentionLayer, KVMap, WeightSource
-from hdi_monitor.models.weights import in_features, is_projection, linear_weight, out_features
+from hdi_monitor.models.tensor_parallel import fused_tp_refusal, tensor_parallel_of, tp_head_counts
+from hdi_monitor.models.weights import base_layer, in_features, is_projection, linear_weight, out_features
 
 __all__ = [
     "DIM_ATTRS",
@@ -111,12 +112,22 @@ def resolve_heads(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    tp: int | None = None,
+    notes: list[str] | None = None,
 ) -> tuple[int, int, int]:
     """``(H, H_kv, d)`` of one attention module, from the given values, the module, or ``config``.
 
     ``inner`` is ``H * d`` (the out-projection's input width); ``kv_rows`` is ``H_kv * d`` for
     separate key/value projections, ``fused_rows`` the fused projection's row count with its
-    ``packing``. Every count found is checked against these widths.
+    ``packing``. Every count found is checked against these widths. All widths are the full
+    weights' (a DTensor's global shape, a ZeRO-3 parameter's ``ds_shape``).
+
+    Under tensor parallelism (``tp`` ranks; read from the module's DTensor parameters when None, see
+    `hdi_monitor.models.tensor_parallel.tensor_parallel_of`) a count attribute may have been
+    rewritten to this rank's share (``num_heads //= tp``): the global counts come from the full
+    widths and the head width, an attribute is accepted only where it equals the global or the local
+    count (`hdi_monitor.models.tensor_parallel.tp_head_counts`), and ``notes`` (if given) receives
+    which it was.
 
     Raises:
         AdapterMismatch: no head count is known, or the counts do not fit the weights.
@@ -130,7 +141,21 @@ def resolve_heads(
     if num_kv_heads is None:
         num_kv_heads, where["num_kv_heads"] = _lookup(holders, KV_ATTRS)
     cls = type(module).__name__
-    if head_dim is not None and inner % head_dim == 0:
+    if tp is None:
+        split = tensor_parallel_of(module, name)
+        tp = split.size if split is not None else 1
+    tp_note = ""
+    if tp > 1:
+        heads, head_dim, tp_note = tp_head_counts(
+            f"{name} ({cls})",
+            inner=inner,
+            tp=tp,
+            num_heads=num_heads,
+            heads_from=where.get("num_heads") or "the given num_heads",
+            head_dim=head_dim,
+            dim_from=where.get("head_dim") or "given",
+        )
+    elif head_dim is not None and inner % head_dim == 0:
         heads = inner // head_dim
         if (
             num_heads is not None
@@ -183,7 +208,19 @@ def resolve_heads(
         kv = kv_rows // head_dim
     else:
         kv = num_kv_heads or heads
-    if (
+    if tp > 1:
+        if kv % tp:
+            raise AdapterMismatch(
+                f"{name}: {cls}: {kv} key/value heads do not split evenly over {tp} tensor-parallel ranks; not measured"
+            )
+        if num_kv_heads is not None and num_kv_heads not in (kv, kv // tp):
+            raise AdapterMismatch(
+                f"{name}: {cls}: {where.get('num_kv_heads') or 'the given num_kv_heads'} = {num_kv_heads} is neither "
+                f"the global key/value head count ({kv}, from the full weights) nor this rank's ({kv // tp})"
+            )
+        if notes is not None:
+            notes.append(f"{tp}-way tensor parallel: {tp_note}")
+    elif (
         num_kv_heads is not None
         and num_kv_heads != kv
         and not where.get("num_kv_heads", "").startswith(("config.", "model.config."))
@@ -329,14 +366,25 @@ def build_layer(
     mask_key: str | None | Literal["auto"] = "auto",
     family: str | None = None,
 ) -> AttentionLayer:
-    """Build the layer of ``module`` under ``layout`` (see `resolve_heads` for the head counts)."""
+    """Build the layer of ``module`` under ``layout`` (see `resolve_heads` for the head counts;
+    a fused q/k/v projection split by tensor parallelism is refused where its rows' global order is
+    not known, see `hdi_monitor.models.tensor_parallel.fused_tp_refusal`)."""
     out_mod = _get(module, layout.output)
     inner = in_features(out_mod)
+    split = tensor_parallel_of(module, name)
+    tp = split.size if split is not None else 1
+    notes: list[str] = []
     weights: dict[str, WeightSource]
     dims: dict[str, int] | None = None
     if layout.qkv is None:
         paths = (layout.query, layout.key, layout.value)
         q, k, v = (_get(module, p) for p in paths)
+        if (out_features(v) != out_features(k) or out_features(q) != inner) and tp > 1:
+            raise AdapterMismatch(
+                f"{name}: {type(module).__name__}: query, key/value and out-projection widths differ and the layer is "
+                f"split by {tp}-way tensor parallelism; such a layer's head counts are not read under tensor "
+                "parallelism. Not measured"
+            )
         if out_features(v) != out_features(k) or out_features(q) != inner:
             heads, kv, d, dims = _split_widths(
                 name, module, layout, q, k, v, inner, root_config, num_heads, num_kv_heads
@@ -352,6 +400,8 @@ def build_layer(
                 num_heads=num_heads,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
+                tp=tp,
+                notes=notes,
             )
         weights = {p: _source(module, path) for p, path in zip(("query", "key", "value"), paths, strict=True)}
     elif layout.cross_query is not None:
@@ -368,7 +418,15 @@ def build_layer(
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
+            tp=tp,
+            notes=notes,
         )
+        if tp > 1:
+            refusal = fused_tp_refusal(
+                f"{name} ({type(module).__name__})", base_layer(_get(module, layout.qkv)).weight, "kv", heads, kv, tp
+            )
+            if refusal is not None:
+                raise AdapterMismatch(refusal)
         half = kv * d
         qkv_path = layout.qkv
         weights = {
@@ -391,7 +449,14 @@ def build_layer(
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
+            tp=tp,
+            notes=notes,
         )
+        refusal = fused_tp_refusal(
+            f"{name} ({type(module).__name__})", base_layer(fused).weight, packing, heads, kv, tp
+        )
+        if refusal is not None:
+            raise AdapterMismatch(refusal)
         qkv_path = layout.qkv
 
         def part(i: int) -> WeightSource:
@@ -414,6 +479,7 @@ def build_layer(
         mask_key=mask_key,
         kv_map=layout.kv_map,
         projection_dims=dims,
+        notes=tuple(notes),
     )
 
 

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from hdi_monitor.models.base import Adapter, AdapterMismatch, AttentionLayer
 from hdi_monitor.models.layouts import ROOT_CONFIG, default_mask_key
+from hdi_monitor.models.tensor_parallel import tensor_parallel_of
 from hdi_monitor.models.weights import is_projection, linear_weight
 
 __all__ = ["ADAPTER", "ROPE_NOTE"]
@@ -57,6 +58,10 @@ def _norm_weight(norm: nn.Module, size: int) -> Tensor:
 
 
 def _build(name: str, module: nn.Module) -> AttentionLayer:
+    if tensor_parallel_of(module, name) is not None:
+        raise AdapterMismatch(
+            f"{name}: {type(module).__name__} is split by tensor parallelism, and its latent projections have no known per-rank split; not measured"
+        )
     mla: Any = module  # an MLA attention class of some library: its children are read by name
     cls = type(module).__name__
     dims = {

@@ -1,0 +1,310 @@
+"""Head diversity of a model sharded by tensor parallelism or DeepSpeed ZeRO-3, on CPU (gloo): a script for
+``tests/test_engines.py``.
+
+Run it as a script (it starts its own ranks with ``torch.multiprocessing``)::
+
+    python tests/scripts/tp_engines.py --engine plain_tp --out DIR   # DTensor TP, num_heads //= tp
+    python tests/scripts/tp_engines.py --engine hf_tp    --out DIR   # transformers tp_plan="auto" (tiny Llama)
+    python tests/scripts/tp_engines.py --engine zero3    --out DIR   # deepspeed.initialize, ZeRO stage 3
+
+Every engine builds the model from a seed, so the test rebuilds the same unsharded weights in its own process
+(`build_plain`, `build_llama`) and compares. Each rank writes ``rank{R}.json``: the measured layers, their
+head counts and notes, the HDI of each projection (``head_diversity`` of the sharded model; every rank
+takes part in every gather), what was refused and why, and, for ``plain_tp``, the layers of two variants
+that must be refused (no ``head_dim``, and a count that fits neither reading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import sys
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+WORLD_SIZE = 2
+PROJECTIONS = ("query", "key", "value", "output")
+PLAIN_KW = {"vocab": 64, "dim": 32, "n_heads": 4, "n_kv_heads": 2, "n_layers": 2}
+LLAMA_KW = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
+
+class Attention(nn.Module):
+    """Meta-reference attention (wq/wk/wv/wo, grouped-query), as the PyTorch TP tutorial shards it."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, *, with_head_dim: bool = True) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        if with_head_dim:
+            self.head_dim = dim // n_heads
+        self._d = dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self._d, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self._d, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self._d, bias=False)
+        self.wo = nn.Linear(n_heads * self._d, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self._d).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self._d).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self._d).transpose(1, 2)
+        rep = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, **kw: Any) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attention = Attention(dim, n_heads, n_kv_heads, **kw)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attention(self.norm(x))
+        return x + self.mlp(x)
+
+
+class PlainLM(nn.Module):
+    """A small causal LM of `Block` layers."""
+
+    def __init__(self, vocab: int, dim: int, n_heads: int, n_kv_heads: int, n_layers: int, **kw: Any) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, n_heads, n_kv_heads, **kw) for _ in range(n_layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def build_plain(seed: int = 0, **kw: Any) -> PlainLM:
+    """The plain model every ``plain_tp`` / ``zero3`` run shards (same weights for the same seed)."""
+    torch.manual_seed(seed)
+    return PlainLM(**PLAIN_KW, **kw)
+
+
+def build_llama(seed: int = 0) -> nn.Module:
+    """A tiny ``LlamaForCausalLM`` from a config (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**LLAMA_KW, attn_implementation="sdpa"))
+
+
+def apply_plain_tp(model: PlainLM, mesh: Any) -> None:
+    """ColwiseParallel q/k/v, RowwiseParallel o, then ``n_heads //= tp`` (the PyTorch TP tutorial's recipe)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = mesh.size()
+    for block in model.layers:
+        plan = {f"attention.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")}
+        plan["attention.wo"] = RowwiseParallel()
+        parallelize_module(block, mesh, plan)
+        block.attention.n_heads //= tp
+        block.attention.n_kv_heads //= tp
+
+
+class FusedAttention(nn.Module):
+    """nanoGPT-style attention: one ``c_attn`` with ``[q | k | v]`` rows, ``c_proj``, ``n_head`` (weights only)."""
+
+    def __init__(self, dim: int = 32, n_head: int = 4) -> None:
+        super().__init__()
+        self.n_head, self.head_dim = n_head, dim // n_head
+        self.c_attn = nn.Linear(dim, 3 * dim, bias=False)
+        self.c_proj = nn.Linear(dim, dim, bias=False)
+
+
+def build_fused(seed: int = 0) -> nn.Module:
+    """Two `FusedAttention` layers (same weights for the same seed)."""
+    torch.manual_seed(seed)
+    return nn.ModuleDict({"plain": FusedAttention(), "strided": FusedAttention()})
+
+
+def _fused_tp(mesh: Any) -> dict[str, Any]:
+    """``c_attn`` split by rows two ways: plain ``Shard(0)`` (each rank a block of ``[q|k|v]``: must be
+    refused) and ``_StridedShard(0, split_factor=3)`` (transformers ``packed_colwise``: each rank its
+    share of q, of k and of v; must read right); ``c_proj`` ``Shard(1)`` in both."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from hdi_monitor import head_diversity
+    from hdi_monitor.models import discover_attention
+
+    model = build_fused()
+    for key, placement in (("plain", Shard(0)), ("strided", _StridedShard(0, split_factor=3))):
+        mod = model[key]
+        mod.c_attn.weight = nn.Parameter(distribute_tensor(mod.c_attn.weight.detach(), mesh, [placement]))
+        mod.c_proj.weight = nn.Parameter(distribute_tensor(mod.c_proj.weight.detach(), mesh, [Shard(1)]))
+    found = discover_attention(model)
+    report = head_diversity(model)
+    return {
+        "skipped": {s.name: s.reason for s in found.skipped},
+        "hdi": {r.name: dict(r.hdi) for r in report.layers},
+    }
+
+
+def _report(model: nn.Module) -> dict[str, Any]:
+    from hdi_monitor import head_diversity
+    from hdi_monitor.models import discover_attention
+
+    found = discover_attention(model)
+    out: dict[str, Any] = {
+        "skipped": {s.name: s.reason for s in found.skipped},
+        "layers": {
+            lay.name: {
+                "num_heads": lay.num_heads,
+                "num_kv_heads": lay.num_kv_heads,
+                "head_dim": lay.head_dim,
+                "notes": list(lay.notes),
+                "tp": None if lay.tensor_parallel is None else lay.tensor_parallel.size,
+            }
+            for lay in found.layers
+        },
+    }
+    report = head_diversity(model)
+    out["hdi"] = {
+        r.name: {p: (None if r.hdi.get(p) is None or math.isnan(r.hdi[p]) else r.hdi[p]) for p in PROJECTIONS}
+        for r in report.layers
+    }
+    return out
+
+
+def _refusals(mesh: Any) -> dict[str, str]:
+    """Two TP variants whose head counts cannot be decided: discovery must refuse them, naming each layer."""
+    from hdi_monitor.models import discover_attention
+
+    found: dict[str, str] = {}
+    no_dim = build_plain(with_head_dim=False)
+    apply_plain_tp(no_dim, mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            d = discover_attention(no_dim)
+            found.update({f"no_head_dim:{s.name}": s.reason for s in d.skipped})
+        except ValueError as err:
+            found["no_head_dim"] = str(err)
+        odd = build_plain()
+        apply_plain_tp(odd, mesh)
+        odd.layers[1].attention.n_heads = 3  # fits neither 4 (global) nor 2 (local)
+        d = discover_attention(odd)
+        found.update({f"odd:{s.name}": s.reason for s in d.skipped})
+    return found
+
+
+def _run_plain_tp(out: Path, rank: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",))
+    model = build_plain()
+    apply_plain_tp(model, mesh)
+    result = _report(model)
+    result["refused"] = _refusals(mesh)
+    result["fused"] = _fused_tp(mesh)
+    tokens = torch.randint(0, PLAIN_KW["vocab"], (2, 8), generator=torch.Generator().manual_seed(3))
+    result["logits_sum"] = float(model(tokens).sum())  # the sharded model still runs
+    return result
+
+
+def _run_hf_tp(out: Path, rank: int) -> dict[str, Any]:
+    from transformers import LlamaForCausalLM
+
+    folder = out / "llama"
+    if rank == 0:
+        build_llama().save_pretrained(folder)
+    dist.barrier()
+    model = LlamaForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32)
+    w = model.model.layers[0].self_attn.q_proj.weight
+    result = _report(model)
+    result["q_placements"] = [str(p) for p in w.placements]
+    result["mesh_dim_names"] = list(w.device_mesh.mesh_dim_names or ())
+    return result
+
+
+def _run_zero3(out: Path, rank: int) -> dict[str, Any]:
+    import deepspeed
+
+    model = build_plain()
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+        "zero_allow_untested_optimizer": True,
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    shapes = [list(p.shape) for p in engine.module.layers[0].attention.wq.parameters()]
+    result = _report(engine.module)
+    result["partitioned_shapes"] = shapes
+    return result
+
+
+ENGINES = {"plain_tp": _run_plain_tp, "hf_tp": _run_hf_tp, "zero3": _run_zero3}
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD_SIZE),
+        LOCAL_WORLD_SIZE=str(WORLD_SIZE),
+    )
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    if args.engine == "zero3":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=args.pg_timeout))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=args.pg_timeout))
+    try:
+        result = ENGINES[args.engine](Path(args.out), rank)
+        (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--engine", choices=sorted(ENGINES), required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--pg-timeout", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.engine == "zero3":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    mp.spawn(_worker, args=(args, _free_port()), nprocs=WORLD_SIZE, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

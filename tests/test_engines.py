@@ -1,0 +1,133 @@
+"""Tensor parallelism and DeepSpeed ZeRO-3: head counts and weights read whole.
+
+The multi-process runs are subprocesses on ``tests/scripts/tp_engines.py`` (2 gloo ranks on CPU). The
+reference is independent of the sharding code: ``head_diversity()`` of the same model built unsharded in
+this process from the same seed. The head-count rules are also tested directly on
+`tp_head_counts`, against counts worked out by hand.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hdi_monitor import head_diversity
+from hdi_monitor.exceptions import AdapterMismatch
+from hdi_monitor.models.tensor_parallel import tp_head_counts
+
+SCRIPT = Path(__file__).parent / "scripts" / "tp_engines.py"
+TIMEOUT_S = 400
+
+
+def _load(name: str, path: Path):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+te = _load("tp_engines", SCRIPT)
+
+
+def launch(engine: str, out: Path) -> dict[int, dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[2]), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(SCRIPT), "--engine", engine, "--out", str(out)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=SCRIPT.parents[2])
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{engine} did not finish in {TIMEOUT_S} s (deadlock?)\n{(err.stderr or b'')[-3000:]}")
+    assert proc.returncode == 0, f"{engine} exited with {proc.returncode}\n{proc.stderr[-4000:]}"
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(te.WORLD_SIZE)}
+
+
+def reference(model) -> dict[str, dict[str, float]]:
+    return {r.name: dict(r.hdi) for r in head_diversity(model).layers}
+
+
+def assert_same_hdi(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for name, hdis in want.items():
+        for proj in te.PROJECTIONS:
+            assert got[name][proj] == pytest.approx(hdis[proj], abs=1e-5), (name, proj)
+
+
+# ------------------------------------------------------------------------------- head-count rules
+
+
+def test_tp_counts_from_head_dim_and_full_width() -> None:
+    # 4 heads of width 8 (32 features), 2-way TP: the attribute may be 4 (global) or 2 (local)
+    assert tp_head_counts("L", inner=32, tp=2, num_heads=2, heads_from="a.n", head_dim=8, dim_from="a.d")[:2] == (4, 8)
+    assert tp_head_counts("L", inner=32, tp=2, num_heads=4, heads_from="a.n", head_dim=8, dim_from="a.d")[:2] == (4, 8)
+    note = tp_head_counts("L", inner=32, tp=2, num_heads=2, heads_from="a.n", head_dim=8, dim_from="a.d")[2]
+    assert "this rank's count" in note
+    with pytest.raises(AdapterMismatch, match=r"^L: 2-way .*a\.n = 3 is neither"):
+        tp_head_counts("L", inner=32, tp=2, num_heads=3, heads_from="a.n", head_dim=8, dim_from="a.d")
+
+
+def test_tp_counts_undecidable_or_uneven_are_refused() -> None:
+    with pytest.raises(AdapterMismatch, match="could count all heads"):
+        tp_head_counts("L", inner=32, tp=2, num_heads=2, heads_from="a.n", head_dim=None, dim_from="")
+    # 3 local heads (not a multiple of tp) can only be this rank's: 6 heads of width 4
+    assert tp_head_counts("L", inner=24, tp=2, num_heads=3, heads_from="a.n", head_dim=None, dim_from="")[:2] == (6, 4)
+    with pytest.raises(AdapterMismatch, match="do not split evenly"):
+        tp_head_counts("L", inner=24, tp=2, num_heads=None, heads_from="", head_dim=8, dim_from="a.d")
+
+
+# ------------------------------------------------------------------------------- multi-process runs
+
+
+@pytest.mark.slow
+def test_plain_module_tp_with_num_heads_divided(tmp_path: Path) -> None:
+    ranks = launch("plain_tp", tmp_path)
+    want = reference(te.build_plain())
+    for r, res in ranks.items():
+        assert res["skipped"] == {}, r
+        for lay in res["layers"].values():
+            assert (lay["num_heads"], lay["num_kv_heads"], lay["head_dim"], lay["tp"]) == (4, 2, 8, 2)
+            assert any("n_heads = 2 is this rank's count" in n for n in lay["notes"])
+        assert_same_hdi(res["hdi"], want)
+    refused = ranks[0]["refused"]
+    assert "layers.0.attention" in refused["no_head_dim"] and "no head_dim tells which" in refused["no_head_dim"]
+    assert "n_heads = 3 is neither" in refused["odd:layers.1.attention"]
+    # fused [q|k|v] rows: plain row blocks are refused, transformers' strided packing reads right
+    fused = ranks[0]["fused"]
+    assert set(fused["skipped"]) == {"plain"} and "Shard(0)" in fused["skipped"]["plain"]
+    want_fused = reference(te.build_fused())
+    assert set(fused["hdi"]) == {"strided"}
+    for proj in te.PROJECTIONS:
+        assert fused["hdi"]["strided"][proj] == pytest.approx(want_fused["strided"][proj], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_transformers_tp_plan_auto(tmp_path: Path) -> None:
+    ranks = launch("hf_tp", tmp_path)
+    want = reference(te.build_llama())
+    for res in ranks.values():
+        assert res["mesh_dim_names"] == ["tp"] and res["q_placements"] == ["S(0)"]
+        assert res["skipped"] == {}
+        for lay in res["layers"].values():
+            assert (lay["num_heads"], lay["num_kv_heads"], lay["head_dim"], lay["tp"]) == (4, 2, 8, 2)
+        assert_same_hdi(res["hdi"], want)
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    ranks = launch("zero3", tmp_path)
+    want = reference(te.build_plain())
+    for res in ranks.values():
+        assert res["partitioned_shapes"] == [[0]]  # really partitioned outside the forward pass
+        assert res["skipped"] == {}
+        for lay in res["layers"].values():
+            assert (lay["num_heads"], lay["num_kv_heads"], lay["head_dim"]) == (4, 2, 8)
+        assert_same_hdi(res["hdi"], want)
