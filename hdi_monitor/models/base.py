@@ -336,7 +336,7 @@ class AttentionLayer:
 
 
 class _Build(Protocol):
-    def __call__(self, name: str, module: nn.Module) -> AttentionLayer: ...
+    def __call__(self, name: str, module: nn.Module, /) -> AttentionLayer: ...
 
 
 @dataclass(frozen=True)
@@ -348,13 +348,33 @@ class Adapter:
         classes: human-readable description of the classes it matches (for errors and docs).
         match: ``(name, module) -> bool`` from class/attribute structure only (no weight access, so it
             also works on meta-device or lazy modules).
-        build: ``(name, module) -> AttentionLayer``; may raise `AdapterMismatch`.
+        build: ``(name, module) -> AttentionLayer``, or ``(name, module, root_config) -> AttentionLayer``
+            where it reads the model's config (for modules without one of their own); may raise
+            `AdapterMismatch`. Call it through `build_layer`.
     """
 
     family: str
     classes: str
     match: Callable[[str, nn.Module], bool]
-    build: _Build
+    build: _Build | Callable[[str, nn.Module, Any], AttentionLayer]
+
+    def build_layer(self, name: str, module: nn.Module, root_config: Any = None) -> AttentionLayer:
+        """``build(name, module)``, passing ``root_config`` (the model's config, or None) to a
+        ``build`` that takes a third argument."""
+        if _takes_config(self.build):
+            return self.build(name, module, root_config)  # type: ignore[call-arg]
+        return self.build(name, module)  # type: ignore[call-arg]
+
+
+def _takes_config(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
 _REGISTRY: list[Adapter] = []
