@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hdi_monitor import head_diversity
 from hdi_monitor.exceptions import AdapterMismatch
@@ -38,7 +39,7 @@ def _load(name: str, path: Path):
 te = _load("tp_engines", SCRIPT)
 
 
-def launch(engine: str, out: Path) -> dict[int, dict]:
+def launch(engine: str, out: Path, world: int = 2) -> dict[int, dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[2]), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, str(SCRIPT), "--engine", engine, "--out", str(out)]
@@ -47,7 +48,7 @@ def launch(engine: str, out: Path) -> dict[int, dict]:
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"{engine} did not finish in {TIMEOUT_S} s (deadlock?)\n{(err.stderr or b'')[-3000:]}")
     assert proc.returncode == 0, f"{engine} exited with {proc.returncode}\n{proc.stderr[-4000:]}"
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(te.WORLD_SIZE)}
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
 
 
 def reference(model) -> dict[str, dict[str, float]]:
@@ -131,3 +132,40 @@ def test_deepspeed_zero3(tmp_path: Path) -> None:
         for lay in res["layers"].values():
             assert (lay["num_heads"], lay["num_kv_heads"], lay["head_dim"]) == (4, 2, 8)
         assert_same_hdi(res["hdi"], want)
+
+
+# ------------------------------------------------------------------- activations and training under TP
+
+
+@pytest.fixture(scope="module")
+def single_track() -> dict:
+    """One process, the unsharded model, the whole global batch at each step (the reference)."""
+    return te.track(te.build_plain(), 0, 1)
+
+
+def assert_same_statistics(got_steps: list, want_steps: list) -> None:
+    # step 0 is measured on the initial weights in both runs (later steps follow differently rounded updates)
+    got, want = got_steps[0], want_steps[0]
+    assert set(got) == set(want)
+    for name, ref in want.items():
+        assert got[name]["num_tokens"] == ref["num_tokens"] == te.GLOBAL_BATCH * te.SEQ  # each token once
+        assert got[name]["effective_heads"] == pytest.approx(ref["effective_heads"], abs=1e-5)
+        cov_got, cov_want = torch.tensor(got[name]["covariance"]), torch.tensor(ref["covariance"])
+        torch.testing.assert_close(cov_got, cov_want, rtol=1e-5, atol=1e-7)
+        for proj in te.PROJECTIONS:
+            assert got[name]["hdi"][proj] == pytest.approx(ref["hdi"][proj], abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["plain_tp_track", "fsdp_tp_track"])
+def test_tracker_under_tp_equals_one_process(engine: str, tmp_path: Path, single_track: dict) -> None:
+    ranks = launch(engine, tmp_path, world=te.WORLD.get(engine, te.WORLD_SIZE))
+    for res in ranks.values():
+        assert_same_statistics(res["with"]["steps"], single_track["steps"])
+        # the monitor never changes training: same losses and weights, bit for bit
+        assert res["with"]["losses"] == res["without"]["losses"]
+        assert res["with"]["weights"] == res["without"]["weights"]
+    if engine == "fsdp_tp_track":
+        assert ranks[0]["placements"] == ["S(0)", "S(1)"]  # a 2-D DTensor: FSDP on "dp", TP on "tp"
+    else:
+        assert ranks[0]["with"]["losses"] == pytest.approx(single_track["losses"], abs=1e-5)

@@ -315,7 +315,8 @@ class AttentionLayer:
         """Call ``fn(o, keep_mask)`` on every forward of this layer while attached.
 
         ``o`` is ``(..., num_heads * head_dim)``, the concatenated per-head outputs before the output
-        projection, head-major, detached. ``keep_mask`` is None here (token masks come from the batch,
+        projection, head-major, detached; under tensor parallelism every head's, gathered over the TP
+        group (`hdi_monitor.models.tensor_parallel.gather_heads`, a collective inside the forward). ``keep_mask`` is None here (token masks come from the batch,
         see `mask_key`). With ``on_error``, an exception inside the hook goes to
         ``on_error(err)`` and the forward pass goes on. Returns a handle with ``.remove()``.
         """
@@ -325,8 +326,14 @@ class AttentionLayer:
                 "the submodule whose input is the concatenated head output"
             )
 
+        split, width = self.tensor_parallel, self.num_heads * self.projection_dims["output"]
+
         def pre_hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
             o = args[0] if args else next(iter(kwargs.values()))
+            if split is not None:  # this rank's heads: gather every head (a collective, first in the hook)
+                from hdi_monitor.models.tensor_parallel import gather_heads
+
+                o = gather_heads(o.detach(), split, width, self.name)
             fn(o.detach(), None)
 
         return HookHandle(self._output_module.register_forward_pre_hook(guarded(pre_hook, on_error), with_kwargs=True))

@@ -20,6 +20,9 @@ What a sharded layer's parameters say about its heads, with no model-family know
   per-kv-head ``wqkv``) keep whole heads on each rank and read right when the split is even.
 * `is_zero3_param` / `zero3_params`: DeepSpeed ZeRO-3 partitioned parameters (read whole through
   `hdi_monitor.models.sharding.full_weights`).
+* Activations: `gather_heads` (each TP rank holds some heads; the cross-head covariance needs all
+  of them for the same tokens) and `sync_data_parallel` (token counts and sums summed over the
+  data-parallel ranks only, never over TP ranks, which see the same tokens).
 
 Nothing here imports DeepSpeed or transformers.
 """
@@ -38,10 +41,13 @@ __all__ = [
     "DP_MESH_NAMES",
     "TP_MESH_NAMES",
     "TensorParallel",
+    "data_parallel_group",
     "fused_tp_refusal",
+    "gather_heads",
     "is_dtensor",
     "is_zero3_param",
     "logical_shape",
+    "sync_data_parallel",
     "tensor_parallel_of",
     "tp_head_counts",
     "zero3_params",
@@ -304,3 +310,86 @@ def fused_tp_refusal(label: str, weight: Tensor, packing: str | None, heads: int
         "global order is not known. Not measured (shard it with a strided placement, e.g. transformers "
         "'packed_colwise', or per whole head)"
     )
+
+
+# ------------------------------------------------------------------------------------------ activations
+
+
+def gather_heads(o: Tensor, split: TensorParallel, width: int, label: str = "") -> Tensor:
+    """Every head's output from this rank's share: ``(..., width / tp)`` -> ``(..., width)``.
+
+    Under tensor parallelism the input of a ``RowwiseParallel`` out-projection holds this rank's heads
+    only (a plain tensor, or a DTensor sharded on its last dimension where the hook runs after
+    torch's input hook). The cross-head covariance needs every head of the same tokens, so the shares
+    are gathered over the TP group (each rank holds the heads ``[r H / tp, (r + 1) H / tp)``, so the
+    concatenation is head-major). A collective over the TP group: every TP rank runs the same forward
+    passes, so every rank reaches it in the same order. A tensor that is already ``width`` wide is
+    returned as it is.
+
+    Raises:
+        ValueError: the last dimension is neither ``width`` nor ``width / tp``.
+    """
+    import torch.distributed as dist
+
+    if is_dtensor(o):
+        o = o.full_tensor()  # type: ignore[attr-defined]
+    if o.shape[-1] == width:
+        return o
+    if o.shape[-1] * split.size != width:
+        raise ValueError(
+            f"{label}: the out-projection input has {o.shape[-1]} features, neither all heads ({width}) nor "
+            f"one {split.size}-way tensor-parallel share ({width // split.size})"
+        )
+    group = split.group()
+    parts = [torch.empty_like(o) for _ in range(split.size)]
+    dist.all_gather(parts, o.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def data_parallel_group(layers: Any) -> tuple[bool, Any]:
+    """``(reduce, group)``: over which ranks the head-output statistics of ``layers`` are summed.
+
+    Data-parallel ranks see different tokens and the same heads, so token counts and sums add up
+    over them; tensor-parallel ranks see the same tokens (after `gather_heads`, every head), so
+    summing over them would count each token ``tp`` times. Without tensor parallelism this is
+    ``(True, None)`` (the default group, as before). With it, the group of the mesh's other
+    dimension (``(True, group)``), or ``(False, None)`` where the mesh is the TP dimension alone
+    and covers every rank (nothing to sum).
+
+    Raises:
+        ValueError: the TP layers sit on different meshes, the mesh has more than one data-parallel
+            dimension, or a 1-D TP mesh does not cover every rank (data-parallel replicas of a TP
+            group outside the mesh are not known).
+    """
+    import torch.distributed as dist
+
+    splits = [lay.tensor_parallel for lay in layers if getattr(lay, "tensor_parallel", None) is not None]
+    if not splits:
+        return True, None
+    first = splits[0]
+    if any(s.mesh != first.mesh or s.mesh_dim != first.mesh_dim for s in splits[1:]):
+        raise ValueError("tensor-parallel layers on different device meshes: their data-parallel ranks are not known")
+    others = [i for i in range(first.mesh.ndim) if i != first.mesh_dim]
+    if not others:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if first.mesh.size() != world:
+            raise ValueError(
+                f"a {first.size}-way tensor-parallel mesh of {first.mesh.size()} ranks in a world of {world}: the "
+                "data-parallel replicas are not on the mesh; put them on a 2-D (data, tensor) mesh"
+            )
+        return False, None
+    if len(others) > 1:
+        raise ValueError(
+            f"the mesh has {len(others)} dimensions besides tensor parallelism; flatten the data-parallel ones"
+        )
+    return True, first.mesh.get_group(others[0])
+
+
+def sync_data_parallel(accumulators: Any, layers: Any) -> None:
+    """`hdi_monitor.functional.covariance.sync_accumulators` over the data-parallel ranks of
+    ``layers`` only (`data_parallel_group`); the tracker's one call before computing results."""
+    from hdi_monitor.functional.covariance import sync_accumulators
+
+    reduce, group = data_parallel_group(layers)
+    if reduce:
+        sync_accumulators(accumulators, group)

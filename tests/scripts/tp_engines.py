@@ -260,17 +260,121 @@ def _run_zero3(out: Path, rank: int) -> dict[str, Any]:
     return result
 
 
-ENGINES = {"plain_tp": _run_plain_tp, "hf_tp": _run_hf_tp, "zero3": _run_zero3}
+# ------------------------------------------------------------------ training with the tracker (activations)
+
+TRACK_STEPS, GLOBAL_BATCH, SEQ = 3, 4, 8
+
+
+def global_batches(seed: int = 1) -> Tensor:
+    """``(TRACK_STEPS, GLOBAL_BATCH, SEQ)`` token ids, the same in every process."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, PLAIN_KW["vocab"], (TRACK_STEPS, GLOBAL_BATCH, SEQ), generator=g)
+
+
+def _full(t: Tensor) -> Tensor:
+    t = t.detach()
+    return t.full_tensor() if callable(getattr(t, "full_tensor", None)) else t
+
+
+def track(model: nn.Module, dp_rank: int, dp: int, *, monitor: bool = True, lr: float = 0.05) -> dict[str, Any]:
+    """Train ``model`` TRACK_STEPS steps on this data-parallel rank's share of each global batch (with an
+    `HDITracker` measuring every step, or without), return each step's loss and measurement and the
+    final weights."""
+    from hdi_monitor import HDITracker, MemorySink
+
+    tracker = None
+    if monitor:
+        tracker = HDITracker(
+            model,
+            every_n_steps=1,
+            projections=PROJECTIONS,
+            max_tokens=None,
+            log_images_every_n_steps=0,
+            sinks=[MemorySink()],
+            strict=True,
+        )
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, steps = [], []
+    for tokens in global_batches():
+        local = tokens[dp_rank::dp]
+        if tracker is not None:
+            with tracker.capture(local):
+                logits = model(local)
+        else:
+            logits = model(local)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), local[:, 1:].reshape(-1))
+        loss.backward()
+        if tracker is not None:
+            m = tracker.step()
+            assert m is not None
+            steps.append(
+                {
+                    lay.name: {
+                        "hdi": dict(lay.hdi),
+                        "effective_heads": lay.effective_heads,
+                        "num_tokens": lay.num_tokens,
+                        "covariance": None if lay.covariance is None else lay.covariance.tolist(),
+                    }
+                    for lay in m.report.layers
+                }
+            )
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    weights = {n: _full(p).tolist() for n, p in model.named_parameters()}
+    return {"losses": losses, "steps": steps, "weights": weights}
+
+
+def _run_plain_tp_track(out: Path, rank: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",))
+    runs = {}
+    for monitor in (True, False):
+        model = build_plain()
+        apply_plain_tp(model, mesh)
+        runs["with" if monitor else "without"] = track(model, 0, 1, monitor=monitor)
+    return runs
+
+
+def _run_fsdp_tp_track(out: Path, rank: int) -> dict[str, Any]:
+    """A 2 x 2 ("dp", "tp") mesh: TP inside each block, FSDP2 over "dp" (weights are 2-D DTensors)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    runs = {}
+    for monitor in (True, False):
+        model = build_plain()
+        apply_plain_tp(model, mesh["tp"])
+        for block in model.layers:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        runs["with" if monitor else "without"] = track(model, mesh.get_coordinate()[0], 2, monitor=monitor)
+    runs["placements"] = [str(p) for p in model.layers[0].attention.wo.weight.placements]
+    return runs
+
+
+ENGINES = {
+    "plain_tp": _run_plain_tp,
+    "hf_tp": _run_hf_tp,
+    "zero3": _run_zero3,
+    "plain_tp_track": _run_plain_tp_track,
+    "fsdp_tp_track": _run_fsdp_tp_track,
+}
+#: Processes per engine (2 unless a 2 x 2 mesh needs 4).
+WORLD = {"fsdp_tp_track": 4}
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    world = WORLD.get(args.engine, WORLD_SIZE)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
         LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD_SIZE),
-        LOCAL_WORLD_SIZE=str(WORLD_SIZE),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -279,7 +383,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
 
         deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=args.pg_timeout))
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=args.pg_timeout))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=args.pg_timeout))
     try:
         result = ENGINES[args.engine](Path(args.out), rank)
         (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
@@ -302,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.engine == "zero3":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    mp.spawn(_worker, args=(args, _free_port()), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_worker, args=(args, _free_port()), nprocs=WORLD.get(args.engine, WORLD_SIZE), join=True)
     return 0
 
 
