@@ -169,3 +169,42 @@ def test_tracker_under_tp_equals_one_process(engine: str, tmp_path: Path, single
         assert ranks[0]["placements"] == ["S(0)", "S(1)"]  # a 2-D DTensor: FSDP on "dp", TP on "tp"
     else:
         assert ranks[0]["with"]["losses"] == pytest.approx(single_track["losses"], abs=1e-5)
+
+
+LIGHTNING = Path(__file__).parent / "scripts" / "tp_lightning.py"
+
+
+def launch_lightning(out: Path, *extra: str) -> dict[int, dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[2]), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(LIGHTNING), "--out", str(out), *extra]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=SCRIPT.parents[2])
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{cmd[2:]} did not finish in {TIMEOUT_S} s (deadlock?)\n{(err.stderr or b'')[-3000:]}")
+    assert proc.returncode == 0, f"{cmd[2:]} exited with {proc.returncode}\n{proc.stderr[-4000:]}"
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+
+
+def _unprefixed(steps: list) -> list:
+    return [{name.removeprefix("lm."): v for name, v in step.items()} for step in steps]
+
+
+@pytest.mark.slow
+def test_lightning_model_parallel_tp2(tmp_path: Path, single_track: dict) -> None:
+    ranks = launch_lightning(tmp_path / "with")
+    plain = launch_lightning(tmp_path / "without", "--no-monitor")
+    assert set(ranks) == set(plain) == {0, 1}
+    for r, res in ranks.items():
+        assert res["mesh_dim_names"] == ["data_parallel", "tensor_parallel"]
+        assert len(res["steps"]) == te.TRACK_STEPS
+        assert_same_statistics(_unprefixed(res["steps"]), single_track["steps"])
+        assert res["losses"] == plain[r]["losses"] and res["weights"] == plain[r]["weights"]
+
+
+@pytest.mark.slow
+def test_lightning_fsdp2_plus_tp_2x2(tmp_path: Path, single_track: dict) -> None:
+    ranks = launch_lightning(tmp_path, "--dp", "2")
+    assert set(ranks) == {0, 1, 2, 3}
+    for res in ranks.values():
+        assert_same_statistics(_unprefixed(res["steps"]), single_track["steps"])
