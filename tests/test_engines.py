@@ -119,6 +119,13 @@ def test_transformers_tp_plan_auto(tmp_path: Path) -> None:
         for lay in res["layers"].values():
             assert (lay["num_heads"], lay["num_kv_heads"], lay["head_dim"], lay["tp"]) == (4, 2, 8, 2)
         assert_same_hdi(res["hdi"], want)
+    stats = head_diversity(te.build_llama(), inputs={"input_ids": te.hf_tokens()})
+    for res in ranks.values():
+        for lay in stats.layers:
+            got = res["activations"][lay.name]
+            assert got["num_tokens"] == lay.num_tokens == 16
+            assert got["effective_heads"] == pytest.approx(lay.effective_heads, abs=1e-5)
+            torch.testing.assert_close(torch.tensor(got["covariance"]), lay.covariance.float(), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow
@@ -157,8 +164,10 @@ def assert_same_statistics(got_steps: list, want_steps: list) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["plain_tp_track", "fsdp_tp_track"])
+@pytest.mark.parametrize("engine", ["plain_tp_track", "fsdp_tp_track", "zero3_track"])
 def test_tracker_under_tp_equals_one_process(engine: str, tmp_path: Path, single_track: dict) -> None:
+    if engine.startswith("zero3"):
+        pytest.importorskip("deepspeed")
     ranks = launch(engine, tmp_path, world=te.WORLD.get(engine, te.WORLD_SIZE))
     for res in ranks.values():
         assert_same_statistics(res["with"]["steps"], single_track["steps"])
@@ -167,7 +176,7 @@ def test_tracker_under_tp_equals_one_process(engine: str, tmp_path: Path, single
         assert res["with"]["weights"] == res["without"]["weights"]
     if engine == "fsdp_tp_track":
         assert ranks[0]["placements"] == ["S(0)", "S(1)"]  # a 2-D DTensor: FSDP on "dp", TP on "tp"
-    else:
+    elif engine == "plain_tp_track":
         assert ranks[0]["with"]["losses"] == pytest.approx(single_track["losses"], abs=1e-5)
 
 
@@ -208,3 +217,35 @@ def test_lightning_fsdp2_plus_tp_2x2(tmp_path: Path, single_track: dict) -> None
     assert set(ranks) == {0, 1, 2, 3}
     for res in ranks.values():
         assert_same_statistics(_unprefixed(res["steps"]), single_track["steps"])
+
+
+@pytest.mark.slow
+def test_hf_trainer_with_zero3(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("accelerate")
+    script = Path(__file__).parent / "scripts" / "hf_zero3.py"
+    hz = _load("hf_zero3", script)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[2]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=SCRIPT.parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # the reference: the one-shot API on the unsharded model, same weights, the step's whole global batch
+    want = head_diversity(te.build_llama(), inputs={"input_ids": hz.samples()})
+    for r in range(2):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert res["zero_stage"] == 3 and res["q_shape"] == [0]  # partitioned outside the forward pass
+        assert res["step"] == 1
+        for lay in want.layers:
+            got = res["layers"][lay.name]
+            assert got["num_tokens"] == lay.num_tokens == hz.SAMPLES * hz.SEQ
+            assert got["effective_heads"] == pytest.approx(lay.effective_heads, abs=1e-5)
+            torch.testing.assert_close(torch.tensor(got["covariance"]), lay.covariance.float(), rtol=1e-5, atol=1e-7)
+            for proj in te.PROJECTIONS:
+                assert got["hdi"][proj] == pytest.approx(lay.hdi[proj], abs=1e-5)

@@ -228,8 +228,15 @@ def _run_plain_tp(out: Path, rank: int) -> dict[str, Any]:
     return result
 
 
+def hf_tokens() -> Tensor:
+    """``(2, 8)`` token ids for the tiny Llama."""
+    return torch.randint(0, LLAMA_KW["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(4))
+
+
 def _run_hf_tp(out: Path, rank: int) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
+
+    from hdi_monitor import head_diversity
 
     folder = out / "llama"
     if rank == 0:
@@ -238,6 +245,15 @@ def _run_hf_tp(out: Path, rank: int) -> dict[str, Any]:
     model = LlamaForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32)
     w = model.model.layers[0].self_attn.q_proj.weight
     result = _report(model)
+    stats = head_diversity(model, inputs={"input_ids": hf_tokens()})  # o_proj sees this rank's heads
+    result["activations"] = {
+        r.name: {
+            "effective_heads": r.effective_heads,
+            "num_tokens": r.num_tokens,
+            "covariance": None if r.covariance is None else r.covariance.tolist(),
+        }
+        for r in stats.layers
+    }
     result["q_placements"] = [str(p) for p in w.placements]
     result["mesh_dim_names"] = list(w.device_mesh.mesh_dim_names or ())
     return result
@@ -249,7 +265,7 @@ def _run_zero3(out: Path, rank: int) -> dict[str, Any]:
     model = build_plain()
     config = {
         "train_micro_batch_size_per_gpu": 1,
-        "zero_optimization": {"stage": 3},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
         "zero_allow_untested_optimizer": True,
     }
@@ -276,10 +292,13 @@ def _full(t: Tensor) -> Tensor:
     return t.full_tensor() if callable(getattr(t, "full_tensor", None)) else t
 
 
-def track(model: nn.Module, dp_rank: int, dp: int, *, monitor: bool = True, lr: float = 0.05) -> dict[str, Any]:
+def track(
+    model: nn.Module, dp_rank: int, dp: int, *, monitor: bool = True, lr: float = 0.05, engine: Any = None
+) -> dict[str, Any]:
     """Train ``model`` TRACK_STEPS steps on this data-parallel rank's share of each global batch (with an
     `HDITracker` measuring every step, or without), return each step's loss and measurement and the
-    final weights."""
+    final weights. With a DeepSpeed ``engine`` (whose module is ``model``), the engine runs the forward,
+    backward and optimizer steps."""
     from hdi_monitor import HDITracker, MemorySink
 
     tracker = None
@@ -293,17 +312,21 @@ def track(model: nn.Module, dp_rank: int, dp: int, *, monitor: bool = True, lr: 
             sinks=[MemorySink()],
             strict=True,
         )
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr) if engine is None else None
+    forward = engine if engine is not None else model
     losses, steps = [], []
     for tokens in global_batches():
         local = tokens[dp_rank::dp]
         if tracker is not None:
             with tracker.capture(local):
-                logits = model(local)
+                logits = forward(local)
         else:
-            logits = model(local)
+            logits = forward(local)
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), local[:, 1:].reshape(-1))
-        loss.backward()
+        if engine is not None:
+            engine.backward(loss)
+        else:
+            loss.backward()
         if tracker is not None:
             m = tracker.step()
             assert m is not None
@@ -318,10 +341,20 @@ def track(model: nn.Module, dp_rank: int, dp: int, *, monitor: bool = True, lr: 
                     for lay in m.report.layers
                 }
             )
-        optimizer.step()
-        optimizer.zero_grad()
+        if engine is not None:
+            engine.step()
+        else:
+            assert optimizer is not None
+            optimizer.step()
+            optimizer.zero_grad()
         losses.append(float(loss.detach()))
-    weights = {n: _full(p).tolist() for n, p in model.named_parameters()}
+    if engine is not None:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+            weights = {n: p.detach().clone().tolist() for n, p in model.named_parameters()}
+    else:
+        weights = {n: _full(p).tolist() for n, p in model.named_parameters()}
     return {"losses": losses, "steps": steps, "weights": weights}
 
 
@@ -355,12 +388,31 @@ def _run_fsdp_tp_track(out: Path, rank: int) -> dict[str, Any]:
     return runs
 
 
+def _run_zero3_track(out: Path, rank: int) -> dict[str, Any]:
+    """ZeRO-3 data parallel over 2 ranks: each trains on half of each global batch."""
+    import deepspeed
+
+    runs: dict[str, Any] = {}
+    for monitor in (True, False):
+        model = build_plain()
+        config = {
+            "train_micro_batch_size_per_gpu": GLOBAL_BATCH // WORLD_SIZE,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+            "zero_allow_untested_optimizer": True,
+        }
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+        runs["with" if monitor else "without"] = track(engine.module, rank, WORLD_SIZE, monitor=monitor, engine=engine)
+    return runs
+
+
 ENGINES = {
     "plain_tp": _run_plain_tp,
     "hf_tp": _run_hf_tp,
     "zero3": _run_zero3,
     "plain_tp_track": _run_plain_tp_track,
     "fsdp_tp_track": _run_fsdp_tp_track,
+    "zero3_track": _run_zero3_track,
 }
 #: Processes per engine (2 unless a 2 x 2 mesh needs 4).
 WORLD = {"fsdp_tp_track": 4}
@@ -378,7 +430,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     )
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    if args.engine == "zero3":
+    if args.engine.startswith("zero3"):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=args.pg_timeout))
@@ -404,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pg-timeout", type=float, default=60.0)
     args = parser.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    if args.engine == "zero3":
+    if args.engine.startswith("zero3"):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     mp.spawn(_worker, args=(args, _free_port()), nprocs=WORLD.get(args.engine, WORLD_SIZE), join=True)
     return 0
