@@ -249,3 +249,20 @@ def test_hf_trainer_with_zero3(tmp_path: Path) -> None:
             torch.testing.assert_close(torch.tensor(got["covariance"]), lay.covariance.float(), rtol=1e-5, atol=1e-7)
             for proj in te.PROJECTIONS:
                 assert got["hdi"][proj] == pytest.approx(lay.hdi[proj], abs=1e-5)
+
+
+def test_megatron_core_attention_is_refused_out_loud() -> None:
+    from torch import nn
+
+    from hdi_monitor.models import discover_attention
+
+    class SelfAttention(nn.Module):  # stands in for megatron.core.transformer.attention.SelfAttention
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear_qkv = nn.Linear(16, 48)
+            self.linear_proj = nn.Linear(16, 16)
+
+    SelfAttention.__module__ = "megatron.core.transformer.attention"
+    model = nn.Sequential(SelfAttention())
+    with pytest.raises(ValueError, match=r"(?s)0 \(SelfAttention\).*Megatron-core keeps its tensor-parallel shards"):
+        discover_attention(model)

@@ -18,7 +18,7 @@ from hdi_monitor.models.base import (
     registered_adapters,
 )
 from hdi_monitor.models.layout import FUSED_NAMES, class_refusal, fused_refusal
-from hdi_monitor.models.layouts import NOT_ATTENTION, REFUSED
+from hdi_monitor.models.layouts import NOT_ATTENTION, REFUSED, REFUSED_PACKAGES
 from hdi_monitor.models.spec import AttentionSpec, as_specs
 
 __all__ = ["Discovery", "discover_attention", "find_attention_layers", "skipped_message", "unwrapped_name"]
@@ -182,7 +182,7 @@ def _walk(
         inside = None
         name = unwrapped_name(raw_name)
         hit = next((i for i, s in enumerate(specs) if s.matches(name, module)), None)
-        refused = class_refusal(module, REFUSED) if hit is None else None
+        refused = class_refusal(module, REFUSED, REFUSED_PACKAGES) if hit is None else None
         if refused is not None:
             skipped.append(SkippedModule(name, type(module).__name__, refused))
             inside = raw_name

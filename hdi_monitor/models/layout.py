@@ -576,13 +576,21 @@ def _split_widths(
 # ------------------------------------------------------------------------------- reading the table
 
 
-def class_refusal(module: nn.Module, refused: tuple[tuple[str, str], ...]) -> str | None:
+def class_refusal(
+    module: nn.Module, refused: tuple[tuple[str, str], ...], by_package: tuple[tuple[str, str], ...] = ()
+) -> str | None:
     """The refusal message for a class that ``refused`` (``(class regex, reason)`` pairs, e.g.
-    `hdi_monitor.models.layouts.REFUSED`) names, else None."""
+    `hdi_monitor.models.layouts.REFUSED`) names, or an attention-like class from a package that
+    ``by_package`` (``(module prefix, reason)`` pairs, `hdi_monitor.models.layouts.REFUSED_PACKAGES`)
+    names, else None."""
     cls = type(module).__name__
     for pattern, reason in refused:
         if re.fullmatch(pattern, cls):
             return f"{cls}: {reason}"
+    where = type(module).__module__
+    for prefix, reason in by_package:
+        if (where == prefix or where.startswith(prefix + ".")) and re.search("attention", cls, re.IGNORECASE):
+            return f"{cls} ({where}): {reason}"
     return None
 
 

@@ -54,6 +54,7 @@ __all__ = [
     "PACKINGS",
     "Packing",
     "REFUSED",
+    "REFUSED_PACKAGES",
     "class_refusal",
     "codegen_split",
     "default_mask_key",
@@ -92,6 +93,17 @@ REFUSED: tuple[tuple[str, str], ...] = (
         "keys and values pass a learned causal short convolution (k_sconv, v_sconv) "
         "after k_proj/v_proj, so its key/value heads are no fixed row blocks of the "
         "projections. Not measured",
+    ),
+)
+
+#: Packages whose attention classes are refused whatever their children: ``(module prefix, reason)``.
+REFUSED_PACKAGES: tuple[tuple[str, str], ...] = (
+    (
+        "megatron.core",
+        "Megatron-core keeps its tensor-parallel shards as plain local tensors (ColumnParallelLinear / "
+        "RowParallelLinear, no DTensor placements), so neither the full weights nor which heads this rank holds "
+        "can be read without Megatron's parallel state, and its fused linear_qkv packs rows per query group. Not "
+        "measured (and not testable here: its forward needs CUDA)",
     ),
 )
 

@@ -406,6 +406,88 @@ def _run_zero3_track(out: Path, rank: int) -> dict[str, Any]:
     return runs
 
 
+# ----------------------------------------------------------------------------- cost of a measured step
+
+TIME_KW = {"vocab": 256, "dim": 256, "n_heads": 8, "n_kv_heads": 8, "n_layers": 4}
+TIME_BATCH, TIME_SEQ, TIME_STEPS = 8, 128, 6
+
+
+def _time_steps(model: nn.Module, dp_rank: int, dp: int, *, monitor: bool, engine: Any = None) -> list[float]:
+    """Wall time of each training step (forward, backward, optimizer; with the tracker measuring every
+    step when ``monitor``), synchronised over the ranks."""
+    import time
+
+    from hdi_monitor import HDITracker, MemorySink
+
+    tracker = None
+    if monitor:
+        tracker = HDITracker(
+            model, every_n_steps=1, projections=PROJECTIONS, max_tokens=None, log_images_every_n_steps=0,
+            sinks=[MemorySink()], strict=True,
+        )  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3) if engine is None else None
+    forward = engine if engine is not None else model
+    g = torch.Generator().manual_seed(7)
+    times = []
+    for _ in range(TIME_STEPS):
+        tokens = torch.randint(0, TIME_KW["vocab"], (TIME_BATCH, TIME_SEQ), generator=g)[dp_rank::dp]
+        dist.barrier()
+        start = time.perf_counter()
+        if tracker is not None:
+            with tracker.capture(tokens):
+                logits = forward(tokens)
+        else:
+            logits = forward(tokens)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        if engine is not None:
+            engine.backward(loss)
+        else:
+            loss.backward()
+        if tracker is not None:
+            tracker.step()
+        if engine is not None:
+            engine.step()
+        else:
+            assert optimizer is not None
+            optimizer.step()
+            optimizer.zero_grad()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _run_tp_time(out: Path, rank: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",))
+    result = {}
+    for monitor in (False, True):
+        torch.manual_seed(0)
+        model = PlainLM(**TIME_KW)
+        apply_plain_tp(model, mesh)
+        result["measured" if monitor else "plain"] = _time_steps(model, 0, 1, monitor=monitor)
+    return result
+
+
+def _run_zero3_time(out: Path, rank: int) -> dict[str, Any]:
+    import deepspeed
+
+    result = {}
+    for monitor in (False, True):
+        torch.manual_seed(0)
+        model = PlainLM(**TIME_KW)
+        config = {
+            "train_micro_batch_size_per_gpu": TIME_BATCH // WORLD_SIZE,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+            "zero_allow_untested_optimizer": True,
+        }
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+        key = "measured" if monitor else "plain"
+        result[key] = _time_steps(engine.module, rank, WORLD_SIZE, monitor=monitor, engine=engine)
+    return result
+
+
 ENGINES = {
     "plain_tp": _run_plain_tp,
     "hf_tp": _run_hf_tp,
@@ -413,6 +495,8 @@ ENGINES = {
     "plain_tp_track": _run_plain_tp_track,
     "fsdp_tp_track": _run_fsdp_tp_track,
     "zero3_track": _run_zero3_track,
+    "tp_time": _run_tp_time,
+    "zero3_time": _run_zero3_time,
 }
 #: Processes per engine (2 unless a 2 x 2 mesh needs 4).
 WORLD = {"fsdp_tp_track": 4}
