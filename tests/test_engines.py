@@ -266,3 +266,15 @@ def test_megatron_core_attention_is_refused_out_loud() -> None:
     model = nn.Sequential(SelfAttention())
     with pytest.raises(ValueError, match=r"(?s)0 \(SelfAttention\).*Megatron-core keeps its tensor-parallel shards"):
         discover_attention(model)
+
+
+@pytest.mark.slow
+def test_pipeline_stages_refuse_summed_statistics_and_measure_their_own_weights(tmp_path: Path) -> None:
+    ranks = launch("stage_mismatch", tmp_path)
+    whole = reference(te.build_plain())
+    for r, res in ranks.items():
+        assert "watch different attention layers" in res["error"]
+        name = f"layers.{r}.attention"
+        assert set(res["weights_hdi"]) == {name}
+        for proj in te.PROJECTIONS:
+            assert res["weights_hdi"][name][proj] == pytest.approx(whole[name][proj], abs=1e-6)

@@ -41,6 +41,7 @@ __all__ = [
     "DP_MESH_NAMES",
     "TP_MESH_NAMES",
     "TensorParallel",
+    "check_same_layers",
     "data_parallel_group",
     "fused_tp_refusal",
     "gather_heads",
@@ -385,11 +386,43 @@ def data_parallel_group(layers: Any) -> tuple[bool, Any]:
     return True, first.mesh.get_group(others[0])
 
 
+def check_same_layers(layers: Any, group: Any = None) -> None:
+    """Refuse to sum statistics over ranks that watch different layers.
+
+    Pipeline parallelism (each stage holds some layers), or any setup where ranks discovered different
+    layers, would otherwise add up unrelated layers whenever their shapes happen to agree. One
+    ``all_reduce`` of two integers over ``group``: a checksum of the layers' names and head counts.
+    No-op without an initialised process group.
+
+    Raises:
+        ValueError: the ranks of ``group`` watch different layers (every rank raises).
+    """
+    import zlib
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
+        return
+    text = ";".join(f"{lay.name}:{lay.num_heads}:{lay.head_dim}:{lay.model_dim}" for lay in layers)
+    h = zlib.crc32(text.encode())
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    both = torch.tensor([h, -h], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if int(both[0]) != h or int(both[1]) != -h:
+        raise ValueError(
+            "the ranks that sum head-output statistics watch different attention layers (pipeline parallelism, "
+            "or a model that differs between ranks); statistics are not summed across them. Under pipeline "
+            "parallelism measure weights only (activations=False)"
+        )
+
+
 def sync_data_parallel(accumulators: Any, layers: Any) -> None:
     """`hdi_monitor.functional.covariance.sync_accumulators` over the data-parallel ranks of
-    ``layers`` only (`data_parallel_group`); the tracker's one call before computing results."""
+    ``layers`` only (`data_parallel_group`), after `check_same_layers` over the same ranks; the
+    tracker's one call before computing results."""
     from hdi_monitor.functional.covariance import sync_accumulators
 
     reduce, group = data_parallel_group(layers)
     if reduce:
+        check_same_layers(layers, group)
         sync_accumulators(accumulators, group)

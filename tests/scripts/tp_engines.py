@@ -409,7 +409,7 @@ def _run_zero3_track(out: Path, rank: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- cost of a measured step
 
 TIME_KW = {"vocab": 256, "dim": 256, "n_heads": 8, "n_kv_heads": 8, "n_layers": 4}
-TIME_BATCH, TIME_SEQ, TIME_STEPS = 8, 128, 6
+TIME_BATCH, TIME_SEQ, TIME_STEPS = 8, 128, 11
 
 
 def _time_steps(model: nn.Module, dp_rank: int, dp: int, *, monitor: bool, engine: Any = None) -> list[float]:
@@ -488,6 +488,35 @@ def _run_zero3_time(out: Path, rank: int) -> dict[str, Any]:
     return result
 
 
+def _run_stage_mismatch(out: Path, rank: int) -> dict[str, Any]:
+    """Pipeline-parallel-like: rank r watches only block r. The activation statistics must be refused
+    (never summed across different layers); the weights are still measured per rank."""
+    from hdi_monitor import HDITracker, MemorySink
+
+    model = build_plain()
+    # a stage keeps its blocks' qualified names (torchtitan's and torch.distributed.pipelining's split do)
+    stage = nn.ModuleDict({"layers": nn.ModuleDict({str(rank): model.layers[rank]})})
+    tracker = HDITracker(
+        stage, every_n_steps=1, projections=PROJECTIONS, max_tokens=None, log_images_every_n_steps=0,
+        sinks=[MemorySink()], strict=True,
+    )  # fmt: skip
+    x = model.embed(global_batches()[0][rank::WORLD_SIZE]).detach()
+    error = ""
+    try:
+        with tracker.capture(x):
+            stage["layers"][str(rank)](x)
+        tracker.step()
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        error = f"{type(err).__name__}: {err}"
+    tracker.close()
+    weights_only = HDITracker(stage, projections=PROJECTIONS, log_images_every_n_steps=0, activations=False)
+    weights_only = weights_only.measure(step=1)
+    return {
+        "error": error,
+        "weights_hdi": None if weights_only is None else {r.name: dict(r.hdi) for r in weights_only.report.layers},
+    }
+
+
 ENGINES = {
     "plain_tp": _run_plain_tp,
     "hf_tp": _run_hf_tp,
@@ -495,6 +524,7 @@ ENGINES = {
     "plain_tp_track": _run_plain_tp_track,
     "fsdp_tp_track": _run_fsdp_tp_track,
     "zero3_track": _run_zero3_track,
+    "stage_mismatch": _run_stage_mismatch,
     "tp_time": _run_tp_time,
     "zero3_time": _run_zero3_time,
 }
