@@ -105,6 +105,7 @@ def test_plain_module_tp_with_num_heads_divided(tmp_path: Path) -> None:
     assert set(fused["skipped"]) == {"plain"} and "Shard(0)" in fused["skipped"]["plain"]
     want_fused = reference(te.build_fused())
     assert set(fused["hdi"]) == {"strided"}
+    assert "plain" in fused["spec_error"] and "Shard(0)" in fused["spec_error"]  # an AttentionSpec too
     for proj in te.PROJECTIONS:
         assert fused["hdi"]["strided"][proj] == pytest.approx(want_fused["strided"][proj], abs=1e-5)
 

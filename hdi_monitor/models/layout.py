@@ -28,7 +28,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from hdi_monitor.models.base import Adapter, AdapterMismatch, AttentionLayer, KVMap, WeightSource
-from hdi_monitor.models.tensor_parallel import fused_tp_refusal, tensor_parallel_of, tp_head_counts
+from hdi_monitor.models.tensor_parallel import fused_tp_refusal, is_dtensor, tensor_parallel_of, tp_head_counts
 from hdi_monitor.models.weights import base_layer, in_features, is_projection, linear_weight, out_features
 
 __all__ = [
@@ -218,6 +218,13 @@ def resolve_heads(
         kv = kv_rows // head_dim
     else:
         kv = num_kv_heads or heads
+    if tp > 1 and fused_rows is not None:
+        # the fused weight (any caller, AttentionSpec included): its rows' global order must be known
+        for w in module.parameters():
+            if is_dtensor(w) and w.ndim == 2 and fused_rows in (w.shape[0], w.shape[1]):
+                refusal = fused_tp_refusal(f"{name} ({cls})", w, packing, heads, kv, tp)
+                if refusal is not None:
+                    raise AdapterMismatch(refusal)
     if tp > 1:
         if kv % tp:
             raise AdapterMismatch(

@@ -160,9 +160,18 @@ def _fused_tp(mesh: Any) -> dict[str, Any]:
         mod.c_proj.weight = nn.Parameter(distribute_tensor(mod.c_proj.weight.detach(), mesh, [Shard(1)]))
     found = discover_attention(model)
     report = head_diversity(model)
+    from hdi_monitor.models import AttentionSpec
+
+    spec = AttentionSpec(modules=r"^plain$", qkv="c_attn", qkv_layout="contiguous", output="c_proj", head_dim=8)
+    try:
+        discover_attention(model, spec=spec)
+        spec_error = ""
+    except ValueError as err:
+        spec_error = str(err)
     return {
         "skipped": {s.name: s.reason for s in found.skipped},
         "hdi": {r.name: dict(r.hdi) for r in report.layers},
+        "spec_error": spec_error,
     }
 
 
