@@ -100,6 +100,11 @@ def test_plain_module_tp_with_num_heads_divided(tmp_path: Path) -> None:
     refused = ranks[0]["refused"]
     assert "layers.0.attention" in refused["no_head_dim"] and "no head_dim tells which" in refused["no_head_dim"]
     assert "n_heads = 3 is neither" in refused["odd:layers.1.attention"]
+    # an unnamed mesh: the out-projection's Shard(1) tells TP; a dimension named "dp" that splits o by
+    # columns contradicts its name and is refused, naming the layer
+    assert ranks[0]["meshes"]["unnamed"] == [[4, 8, 2], [4, 8, 2]]
+    assert "layers.0.attention" in ranks[0]["meshes"]["named_dp"]
+    assert "named data-parallel" in ranks[0]["meshes"]["named_dp"]
     # fused [q|k|v] rows: plain row blocks are refused, transformers' strided packing reads right
     fused = ranks[0]["fused"]
     assert set(fused["skipped"]) == {"plain"} and "Shard(0)" in fused["skipped"]["plain"]

@@ -223,6 +223,31 @@ def _refusals(mesh: Any) -> dict[str, str]:
     return found
 
 
+def _mesh_names_cases() -> dict[str, Any]:
+    """The same TP split on an unnamed mesh (told by the out-projection's Shard(1)) and on a mesh whose
+    dimension is named data-parallel (a contradiction: refused)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hdi_monitor.models import discover_attention
+
+    out: dict[str, Any] = {}
+    unnamed = build_plain()
+    apply_plain_tp(unnamed, init_device_mesh("cpu", (WORLD_SIZE,)))
+    found = discover_attention(unnamed)
+    out["unnamed"] = [(lay.num_heads, lay.head_dim, lay.tensor_parallel.size if lay.tensor_parallel else None)
+                      for lay in found.layers]  # fmt: skip
+    named_dp = build_plain()
+    apply_plain_tp(named_dp, init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("dp",)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            discover_attention(named_dp)
+            out["named_dp"] = ""
+        except ValueError as err:
+            out["named_dp"] = str(err)
+    return out
+
+
 def _run_plain_tp(out: Path, rank: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -232,6 +257,7 @@ def _run_plain_tp(out: Path, rank: int) -> dict[str, Any]:
     result = _report(model)
     result["refused"] = _refusals(mesh)
     result["fused"] = _fused_tp(mesh)
+    result["meshes"] = _mesh_names_cases()
     tokens = torch.randint(0, PLAIN_KW["vocab"], (2, 8), generator=torch.Generator().manual_seed(3))
     result["logits_sum"] = float(model(tokens).sum())  # the sharded model still runs
     return result
