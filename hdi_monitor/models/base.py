@@ -316,9 +316,10 @@ class AttentionLayer:
 
         ``o`` is ``(..., num_heads * head_dim)``, the concatenated per-head outputs before the output
         projection, head-major, detached; under tensor parallelism every head's, gathered over the TP
-        group (`hdi_monitor.models.tensor_parallel.gather_heads`, a collective inside the forward). ``keep_mask`` is None here (token masks come from the batch,
-        see `mask_key`). With ``on_error``, an exception inside the hook goes to
-        ``on_error(err)`` and the forward pass goes on. Returns a handle with ``.remove()``.
+        group (`hdi_monitor.models.tensor_parallel.gather_heads`, a collective inside the forward).
+        ``keep_mask`` is None here (token masks come from the batch, see `mask_key`). With
+        ``on_error``, an exception inside the hook goes to ``on_error(err)`` and the forward pass
+        goes on. Returns a handle with ``.remove()``.
         """
         if self._output_module is None:
             raise ValueError(

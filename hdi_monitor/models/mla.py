@@ -60,7 +60,8 @@ def _norm_weight(norm: nn.Module, size: int) -> Tensor:
 def _build(name: str, module: nn.Module, root_config: Any = None) -> AttentionLayer:
     if tensor_parallel_of(module, name) is not None:
         raise AdapterMismatch(
-            f"{name}: {type(module).__name__} is split by tensor parallelism, and its latent projections have no known per-rank split; not measured"
+            f"{name}: {type(module).__name__} is split by tensor parallelism, and its latent projections have no "
+            "known per-rank split; not measured"
         )
     mla: Any = module  # an MLA attention class of some library: its children are read by name
     cls = type(module).__name__

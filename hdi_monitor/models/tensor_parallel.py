@@ -245,7 +245,8 @@ def tp_head_counts(
     if head_dim is not None:
         if inner % head_dim:
             raise AdapterMismatch(
-                f"{where}: the full out-projection input ({inner}) is not a multiple of head_dim {head_dim} ({dim_from})"
+                f"{where}: the full out-projection input ({inner}) is not a multiple of head_dim {head_dim} "
+                f"({dim_from})"
             )
         heads = inner // head_dim
         if num_heads is None:
@@ -255,10 +256,10 @@ def tp_head_counts(
         elif num_heads * tp == heads:
             which = f"{heads} heads from the full weights; {heads_from} = {num_heads} is this rank's count"
         else:
+            local = str(heads // tp) if heads % tp == 0 else f"{heads}/{tp}, not whole"
             raise AdapterMismatch(
                 f"{where}: {heads_from} = {num_heads} is neither the global head count ({heads} = {inner} full "
-                f"head-output features / head_dim {head_dim}) nor this rank's ({heads // tp if heads % tp == 0 else '?'}); "
-                "not measured"
+                f"head-output features / head_dim {head_dim}) nor this rank's ({local}); not measured"
             )
     elif num_heads is not None:
         as_local = inner % (num_heads * tp) == 0
