@@ -487,7 +487,7 @@ class HDITracker:
             if acc is not None
         ]
         accs = [acc for acc, _ in pairs]
-        sync_data_parallel(accs, self.layers)  # collectives first: two for all layers, data-parallel ranks only
+        sync_data_parallel(accs, self.layers)  # collectives first (layer check + two sums), data-parallel ranks
         results: list[Any] = [None] * len(accs)
         try:
             results = compute_results(accs, min_tokens=2)  # caches every token count on the host
