@@ -205,7 +205,11 @@ class AttentionLayer:
         kv_map: how query heads share key/value heads (see `kv_head`).
         projection_dims: per-projection head width (``head_dim`` for all but Multi-head Latent
             Attention, whose query/key heads are wider or narrower than its value heads).
-        notes: what the report should say about this layer (e.g. parts left out of the HDI).
+        notes: what the report should say about this layer (e.g. parts left out of the HDI, which
+            head-count attribute is a tensor-parallel rank's share).
+        tensor_parallel: how tensor parallelism splits this layer's heads over ranks
+            (`hdi_monitor.models.tensor_parallel.TensorParallel`, read from its DTensor parameters),
+            or None. Head counts are always the global ones.
         output_module: the module whose input is the concatenated head output (hooked for
             activation statistics).
 
@@ -242,6 +246,15 @@ class AttentionLayer:
         self.kv_map = kv_map
         self.projection_dims: dict[str, int] = {p: head_dim for p in PROJECTIONS}
         self.projection_dims.update(projection_dims or {})
+        from hdi_monitor.models.tensor_parallel import tensor_parallel_of
+
+        self.tensor_parallel = tensor_parallel_of(module, name)
+        if self.tensor_parallel is not None and num_heads % self.tensor_parallel.size:
+            raise AdapterMismatch(
+                f"{name}: {num_heads} heads do not split evenly over {self.tensor_parallel.size} tensor-parallel ranks"
+            )
+        if self.tensor_parallel is not None and not any("tensor parallel" in n for n in notes):
+            notes = (*notes, f"{self.tensor_parallel.describe()}: {num_heads} heads counted from the full weights")
         self.notes = tuple(notes)
         self.name = name
         self.module = module
@@ -306,9 +319,11 @@ class AttentionLayer:
         """Call ``fn(o, keep_mask)`` on every forward of this layer while attached.
 
         ``o`` is ``(..., num_heads * head_dim)``, the concatenated per-head outputs before the output
-        projection, head-major, detached. ``keep_mask`` is None here (token masks come from the batch,
-        see `mask_key`). With ``on_error``, an exception inside the hook goes to
-        ``on_error(err)`` and the forward pass goes on. Returns a handle with ``.remove()``.
+        projection, head-major, detached; under tensor parallelism every head's, gathered over the TP
+        group (`hdi_monitor.models.tensor_parallel.gather_heads`, a collective inside the forward).
+        ``keep_mask`` is None here (token masks come from the batch, see `mask_key`). With
+        ``on_error``, an exception inside the hook goes to ``on_error(err)`` and the forward pass
+        goes on. Returns a handle with ``.remove()``.
         """
         if self._output_module is None:
             raise ValueError(
@@ -316,8 +331,14 @@ class AttentionLayer:
                 "the submodule whose input is the concatenated head output"
             )
 
+        split, width = self.tensor_parallel, self.num_heads * self.projection_dims["output"]
+
         def pre_hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
             o = args[0] if args else next(iter(kwargs.values()))
+            if split is not None:  # this rank's heads: gather every head (a collective, first in the hook)
+                from hdi_monitor.models.tensor_parallel import gather_heads
+
+                o = gather_heads(o.detach(), split, width, self.name)
             fn(o.detach(), None)
 
         return HookHandle(self._output_module.register_forward_pre_hook(guarded(pre_hook, on_error), with_kwargs=True))
@@ -327,7 +348,7 @@ class AttentionLayer:
 
 
 class _Build(Protocol):
-    def __call__(self, name: str, module: nn.Module) -> AttentionLayer: ...
+    def __call__(self, name: str, module: nn.Module, /) -> AttentionLayer: ...
 
 
 @dataclass(frozen=True)
@@ -339,13 +360,33 @@ class Adapter:
         classes: human-readable description of the classes it matches (for errors and docs).
         match: ``(name, module) -> bool`` from class/attribute structure only (no weight access, so it
             also works on meta-device or lazy modules).
-        build: ``(name, module) -> AttentionLayer``; may raise `AdapterMismatch`.
+        build: ``(name, module) -> AttentionLayer``, or ``(name, module, root_config) -> AttentionLayer``
+            where it reads the model's config (for modules without one of their own); may raise
+            `AdapterMismatch`. Call it through `build_layer`.
     """
 
     family: str
     classes: str
     match: Callable[[str, nn.Module], bool]
-    build: _Build
+    build: _Build | Callable[[str, nn.Module, Any], AttentionLayer]
+
+    def build_layer(self, name: str, module: nn.Module, root_config: Any = None) -> AttentionLayer:
+        """``build(name, module)``, passing ``root_config`` (the model's config, or None) to a
+        ``build`` that takes a third argument."""
+        if _takes_config(self.build):
+            return self.build(name, module, root_config)  # type: ignore[call-arg]
+        return self.build(name, module)  # type: ignore[call-arg]
+
+
+def _takes_config(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
 _REGISTRY: list[Adapter] = []

@@ -18,8 +18,8 @@ from hdi_monitor.models.base import (
     SkippedModule,
     registered_adapters,
 )
-from hdi_monitor.models.layouts import FUSED_NAMES, ROOT_CONFIG, class_refusal, fused_refusal
-from hdi_monitor.models.layouts_more import NOT_ATTENTION
+from hdi_monitor.models.layout import FUSED_NAMES, class_refusal, fused_refusal
+from hdi_monitor.models.layouts import NOT_ATTENTION, REFUSED, REFUSED_PACKAGES
 from hdi_monitor.models.spec import AttentionSpec, as_specs
 
 __all__ = ["Discovery", "discover_attention", "find_attention_layers", "skipped_message", "unwrapped_name"]
@@ -146,13 +146,9 @@ def discover_attention(
     adapters = registered_adapters()
     cfg = getattr(model, "config", None)
     root_config = None if isinstance(cfg, nn.Module) else cfg
-    token = ROOT_CONFIG.set(root_config)
-    try:
-        # shapes and weights read while building layers must not advance a parametrization
-        with preserved_parametrizations(model):
-            found, skipped, spec_hits = _walk(model, specs, adapters, root_config)
-    finally:
-        ROOT_CONFIG.reset(token)
+    # shapes and weights read while building layers must not advance a parametrization
+    with preserved_parametrizations(model):
+        found, skipped, spec_hits = _walk(model, specs, adapters, root_config)
     unused = [s for s, hits in zip(specs, spec_hits, strict=True) if not hits]
     cls = type(model).__name__
     if unused:
@@ -191,9 +187,8 @@ def _walk(
         name = unwrapped_name(raw_name)
         # each sub-model follows its own model's config (a T5 inside a LightningModule: the decoder's mask)
         sub_config = configs.get(raw_name, root_config)
-        ROOT_CONFIG.set(sub_config)
         hit = next((i for i, s in enumerate(specs) if s.matches(name, module)), None)
-        refused = class_refusal(module) if hit is None else None
+        refused = class_refusal(module, REFUSED, REFUSED_PACKAGES) if hit is None else None
         if refused is not None:
             skipped.append(SkippedModule(name, type(module).__name__, refused))
             inside = raw_name
@@ -213,7 +208,7 @@ def _walk(
                 elif _looks_like_attention(module):
                     candidates.append((raw_name, name, module))
                 continue
-            build, family = adapter.build, adapter.family
+            build, family = partial(adapter.build_layer, root_config=sub_config), adapter.family
         inside = raw_name
         claimed.append(raw_name)
         not_ready = _parameters_not_ready(module)

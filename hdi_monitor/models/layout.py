@@ -1,6 +1,8 @@
 """How one declarative `Layout` entry reads an attention module: head counts (`resolve_heads`),
-fused row layouts (`split_fused`), padding-mask keys, and `build_layer`. The entries themselves are
-the table in `hdi_monitor.models.layouts` (and `hdi_monitor.models.layouts_more`).
+fused row layouts (`split_fused`), padding-mask keys, and `build_layer`, the one place where a
+table entry becomes an `AttentionLayer`; the refusals (`class_refusal`, `fused_refusal`) and
+`layout_adapters`, which turns a table into registry adapters. The entries themselves are the
+data-only table in `hdi_monitor.models.layouts`.
 
 Fused row layouts (``nn.Linear`` rows, ``H`` query heads, ``H_kv`` key/value heads, width ``d``):
 
@@ -19,13 +21,15 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal, get_args
 
 from einops import rearrange
 from torch import Tensor, nn
 
-from hdi_monitor.models.base import AdapterMismatch, AttentionLayer, KVMap, WeightSource
-from hdi_monitor.models.weights import in_features, is_projection, linear_weight, out_features
+from hdi_monitor.models.base import Adapter, AdapterMismatch, AttentionLayer, KVMap, WeightSource
+from hdi_monitor.models.tensor_parallel import fused_tp_refusal, is_dtensor, tensor_parallel_of, tp_head_counts
+from hdi_monitor.models.weights import base_layer, in_features, is_projection, linear_weight, out_features
 
 __all__ = [
     "DIM_ATTRS",
@@ -35,15 +39,22 @@ __all__ = [
     "PACKINGS",
     "Layout",
     "Packing",
+    "Splitter",
     "build_layer",
+    "class_refusal",
     "default_mask_key",
+    "fused_refusal",
     "is_vision_module",
+    "layout_adapters",
     "resolve_heads",
     "split_fused",
 ]
 
 Packing = Literal["contiguous", "interleaved", "grouped", "multi_query"]
 PACKINGS: tuple[Packing, ...] = get_args(Packing)
+
+#: ``split(module, fused_weight, H, H_kv, d) -> (q, k, v)``, each ``nn.Linear`` layout, head-major.
+Splitter = Callable[[nn.Module, Tensor, int, int, int], tuple[Tensor, Tensor, Tensor]]
 
 #: Attribute names that hold head counts and widths, tried in order (module, then its config).
 HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "heads")
@@ -111,12 +122,22 @@ def resolve_heads(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    tp: int | None = None,
+    notes: list[str] | None = None,
 ) -> tuple[int, int, int]:
     """``(H, H_kv, d)`` of one attention module, from the given values, the module, or ``config``.
 
     ``inner`` is ``H * d`` (the out-projection's input width); ``kv_rows`` is ``H_kv * d`` for
     separate key/value projections, ``fused_rows`` the fused projection's row count with its
-    ``packing``. Every count found is checked against these widths.
+    ``packing``. Every count found is checked against these widths. All widths are the full
+    weights' (a DTensor's global shape, a ZeRO-3 parameter's ``ds_shape``).
+
+    Under tensor parallelism (``tp`` ranks; read from the module's DTensor parameters when None, see
+    `hdi_monitor.models.tensor_parallel.tensor_parallel_of`) a count attribute may have been
+    rewritten to this rank's share (``num_heads //= tp``): the global counts come from the full
+    widths and the head width, an attribute is accepted only where it equals the global or the local
+    count (`hdi_monitor.models.tensor_parallel.tp_head_counts`), and ``notes`` (if given) receives
+    which it was.
 
     Raises:
         AdapterMismatch: no head count is known, or the counts do not fit the weights.
@@ -130,7 +151,21 @@ def resolve_heads(
     if num_kv_heads is None:
         num_kv_heads, where["num_kv_heads"] = _lookup(holders, KV_ATTRS)
     cls = type(module).__name__
-    if head_dim is not None and inner % head_dim == 0:
+    if tp is None:
+        split = tensor_parallel_of(module, name)
+        tp = split.size if split is not None else 1
+    tp_note = ""
+    if tp > 1:
+        heads, head_dim, tp_note = tp_head_counts(
+            f"{name} ({cls})",
+            inner=inner,
+            tp=tp,
+            num_heads=num_heads,
+            heads_from=where.get("num_heads") or "the given num_heads",
+            head_dim=head_dim,
+            dim_from=where.get("head_dim") or "given",
+        )
+    elif head_dim is not None and inner % head_dim == 0:
         heads = inner // head_dim
         if (
             num_heads is not None
@@ -183,7 +218,26 @@ def resolve_heads(
         kv = kv_rows // head_dim
     else:
         kv = num_kv_heads or heads
-    if (
+    if tp > 1 and fused_rows is not None:
+        # the fused weight (any caller, AttentionSpec included): its rows' global order must be known
+        for w in module.parameters():
+            if is_dtensor(w) and w.ndim == 2 and fused_rows in (w.shape[0], w.shape[1]):
+                refusal = fused_tp_refusal(f"{name} ({cls})", w, packing, heads, kv, tp)
+                if refusal is not None:
+                    raise AdapterMismatch(refusal)
+    if tp > 1:
+        if kv % tp:
+            raise AdapterMismatch(
+                f"{name}: {cls}: {kv} key/value heads do not split evenly over {tp} tensor-parallel ranks; not measured"
+            )
+        if num_kv_heads is not None and num_kv_heads not in (kv, kv // tp):
+            raise AdapterMismatch(
+                f"{name}: {cls}: {where.get('num_kv_heads') or 'the given num_kv_heads'} = {num_kv_heads} is neither "
+                f"the global key/value head count ({kv}, from the full weights) nor this rank's ({kv // tp})"
+            )
+        if notes is not None:
+            notes.append(f"{tp}-way tensor parallel: {tp_note}")
+    elif (
         num_kv_heads is not None
         and num_kv_heads != kv
         and not where.get("num_kv_heads", "").startswith(("config.", "model.config."))
@@ -260,6 +314,13 @@ class Layout:
             ``h % H_kv`` (``"modulo"``, x-transformers).
         masked: False for families without token masks (timm vision models): ``mask_key`` is None.
         used_by: the models this entry covers, for errors and docs.
+        split: for a fused ``qkv`` whose row order no `Packing` describes, the class's own order
+            (`Splitter`); ``packing`` then only sets the check of the head counts against the rows
+            (``"contiguous"`` for ``[q|k|v]``-sized fused rows).
+        gated_query: separate children where ``query`` also holds an output gate, rows ``(H, 2, d)``
+            per head ``[q_h | g_h]`` (Qwen3-Next: ``o * sigmoid(g)`` before ``o_proj``). The query heads
+            are the ``q_h`` rows; the gate is not a projection the HDI reads, and the hooked head
+            outputs are the gated ones (input of ``o_proj``).
     """
 
     family: str
@@ -278,6 +339,8 @@ class Layout:
     kv_map: KVMap = "block"
     masked: bool = True
     used_by: str = ""
+    split: Splitter | None = None
+    gated_query: bool = False
     _classes: re.Pattern | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -286,6 +349,10 @@ class Layout:
             raise ValueError(f"Layout {self.family}: give query, key and value, or qkv")
         if self.qkv is not None and self.packing not in PACKINGS:
             raise ValueError(f"Layout {self.family}: a fused qkv needs packing in {PACKINGS}")
+        if self.split is not None and self.qkv is None:
+            raise ValueError(f"Layout {self.family}: split reads a fused qkv; give qkv")
+        if self.gated_query and self.qkv is not None:
+            raise ValueError(f"Layout {self.family}: gated_query needs separate query, key and value")
         if self.qkv is not None and self.classes is None:
             raise ValueError(f"Layout {self.family}: a fused layout must name its classes (shape cannot tell it)")
         if self.classes is not None:
@@ -309,12 +376,18 @@ class Layout:
         return self.when is None or bool(self.when(module))
 
     def build(self, name: str, module: nn.Module, root_config: Any = None, **given: Any) -> AttentionLayer:
-        """The `AttentionLayer` of a matched module (head counts resolved and checked)."""
+        """The `AttentionLayer` of a matched module (head counts resolved and checked); ``root_config``
+        is the model's config, read for modules without one of their own."""
         return build_layer(self, name, module, root_config=root_config, **given)
 
 
 def _source(module: nn.Module, path: str | None) -> WeightSource:
     return lambda: linear_weight(_get(module, path))
+
+
+def _gated(module: nn.Module, path: str | None, d: int) -> WeightSource:
+    """The ``q_h`` rows of a query projection whose rows are ``(H, [q_h | g_h], d)``."""
+    return lambda: rearrange(linear_weight(_get(module, path)), "(h two d) m -> two (h d) m", two=2, d=d)[0]
 
 
 def build_layer(
@@ -329,14 +402,50 @@ def build_layer(
     mask_key: str | None | Literal["auto"] = "auto",
     family: str | None = None,
 ) -> AttentionLayer:
-    """Build the layer of ``module`` under ``layout`` (see `resolve_heads` for the head counts)."""
+    """Build the layer of ``module`` under ``layout`` (see `resolve_heads` for the head counts;
+    a fused q/k/v projection split by tensor parallelism is refused where its rows' global order is
+    not known, see `hdi_monitor.models.tensor_parallel.fused_tp_refusal`)."""
     out_mod = _get(module, layout.output)
     inner = in_features(out_mod)
+    tp_split = tensor_parallel_of(module, name)
+    tp = tp_split.size if tp_split is not None else 1
+    notes: list[str] = []
     weights: dict[str, WeightSource]
     dims: dict[str, int] | None = None
-    if layout.qkv is None:
+    if layout.qkv is None and layout.gated_query:
+        paths = (layout.query, layout.key, layout.value)
+        q, k = _get(module, paths[0]), _get(module, paths[1])
+        heads, kv, d = resolve_heads(
+            name,
+            module,
+            inner=inner,
+            kv_rows=out_features(k),
+            heads_at=layout.heads_at,
+            root_config=root_config,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            tp=tp,
+            notes=notes,
+        )
+        if out_features(q) != 2 * heads * d:
+            raise AdapterMismatch(
+                f"{name}: {type(module).__name__}: query rows {out_features(q)} are not (H={heads}, 2, d={d})"
+            )
+        weights = {
+            "query": _gated(module, paths[0], d),
+            "key": _source(module, paths[1]),
+            "value": _source(module, paths[2]),
+        }
+    elif layout.qkv is None:
         paths = (layout.query, layout.key, layout.value)
         q, k, v = (_get(module, p) for p in paths)
+        if (out_features(v) != out_features(k) or out_features(q) != inner) and tp > 1:
+            raise AdapterMismatch(
+                f"{name}: {type(module).__name__}: query, key/value and out-projection widths differ and the layer is "
+                f"split by {tp}-way tensor parallelism; such a layer's head counts are not read under tensor "
+                "parallelism. Not measured"
+            )
         if out_features(v) != out_features(k) or out_features(q) != inner:
             heads, kv, d, dims = _split_widths(
                 name, module, layout, q, k, v, inner, root_config, num_heads, num_kv_heads
@@ -352,6 +461,8 @@ def build_layer(
                 num_heads=num_heads,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
+                tp=tp,
+                notes=notes,
             )
         weights = {p: _source(module, path) for p, path in zip(("query", "key", "value"), paths, strict=True)}
     elif layout.cross_query is not None:
@@ -368,7 +479,15 @@ def build_layer(
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
+            tp=tp,
+            notes=notes,
         )
+        if tp > 1:
+            refusal = fused_tp_refusal(
+                f"{name} ({type(module).__name__})", base_layer(_get(module, layout.qkv)).weight, "kv", heads, kv, tp
+            )
+            if refusal is not None:
+                raise AdapterMismatch(refusal)
         half = kv * d
         qkv_path = layout.qkv
         weights = {
@@ -391,10 +510,19 @@ def build_layer(
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
+            tp=tp,
+            notes=notes,
         )
-        qkv_path = layout.qkv
+        refusal = fused_tp_refusal(
+            f"{name} ({type(module).__name__})", base_layer(fused).weight, packing, heads, kv, tp
+        )
+        if refusal is not None:
+            raise AdapterMismatch(refusal)
+        qkv_path, splitter = layout.qkv, layout.split
 
         def part(i: int) -> WeightSource:
+            if splitter is not None:
+                return lambda: splitter(module, linear_weight(_get(module, qkv_path)), heads, kv, d)[i]
             return lambda: split_fused(linear_weight(_get(module, qkv_path)), packing, heads, kv, d)[i]
 
         weights = {"query": part(0), "key": part(1), "value": part(2)}
@@ -414,6 +542,7 @@ def build_layer(
         mask_key=mask_key,
         kv_map=layout.kv_map,
         projection_dims=dims,
+        notes=tuple(notes),
     )
 
 
@@ -451,4 +580,69 @@ def _split_widths(
     return heads, kv, d_v, {"query": d_qk, "key": d_qk, "value": d_v, "output": d_v}
 
 
-#: Classes that look like a known layout but compute attention differently: refused with the reason.
+# ------------------------------------------------------------------------------- reading the table
+
+
+def class_refusal(
+    module: nn.Module, refused: tuple[tuple[str, str], ...], by_package: tuple[tuple[str, str], ...] = ()
+) -> str | None:
+    """The refusal message for a class that ``refused`` (``(class regex, reason)`` pairs, e.g.
+    `hdi_monitor.models.layouts.REFUSED`) names, or an attention-like class from a package that
+    ``by_package`` (``(module prefix, reason)`` pairs, `hdi_monitor.models.layouts.REFUSED_PACKAGES`)
+    names, else None."""
+    cls = type(module).__name__
+    for pattern, reason in refused:
+        if re.fullmatch(pattern, cls):
+            return f"{cls}: {reason}"
+    where = type(module).__module__
+    for prefix, reason in by_package:
+        if (where == prefix or where.startswith(prefix + ".")) and re.search("attention", cls, re.IGNORECASE):
+            return f"{cls} ({where}): {reason}"
+    return None
+
+
+def fused_refusal(name: str, module: nn.Module) -> str | None:
+    """The refusal message for a module with a fused q/k/v child whose layout no entry knows, else None."""
+    for child in FUSED_NAMES:
+        m = getattr(module, child, None)
+        if is_projection(m) and out_features(m) > in_features(m):
+            cls = type(module).__name__
+            return (
+                f"{cls} has a fused q/k/v projection {child!r} whose row layout is not known for this class "
+                f"(it cannot be told from the shapes); not measured. Describe it with AttentionSpec("
+                f"modules=..., qkv={child!r}, qkv_layout=..., output=...), qkv_layout one of {PACKINGS}"
+            )
+    return None
+
+
+def _first(entries: list[Layout], name: str, module: nn.Module) -> Layout | None:
+    return next((e for e in entries if e.matches(name, module)), None)
+
+
+def _matches_any(entries: list[Layout], name: str, module: nn.Module) -> bool:
+    return _first(entries, name, module) is not None
+
+
+def _build_first(entries: list[Layout], name: str, module: nn.Module, root_config: Any = None) -> AttentionLayer:
+    entry = _first(entries, name, module)
+    if entry is None:
+        raise AdapterMismatch(f"{name}: {type(module).__name__} does not match its layout any more")
+    return entry.build(name, module, root_config)
+
+
+def layout_adapters(layouts: tuple[Layout, ...]) -> list[Adapter]:
+    """A layout table as registry `Adapter` objects: one per family label, in table order,
+    trying that family's entries in order. Their ``build`` takes the model's config as
+    ``root_config`` (see `Adapter`)."""
+    families: dict[str, list[Layout]] = {}
+    for lay in layouts:
+        families.setdefault(lay.family, []).append(lay)
+    return [
+        Adapter(
+            family=family,
+            classes="; ".join(e.used_by or ", ".join(e.children()) for e in entries),
+            match=partial(_matches_any, entries),
+            build=partial(_build_first, entries),
+        )
+        for family, entries in families.items()
+    ]

@@ -1,58 +1,62 @@
-"""Family knowledge as data: one `Layout` entry per attention layout, and the refusals.
+"""Family knowledge as data: the built-in `LAYOUTS` table, one `Layout` entry per attention
+layout, and the classes refused out loud (`REFUSED`) or not attention at all (`NOT_ATTENTION`).
 
 A layout entry names the children of an attention module that hold its projections (separate
 ``query``/``key``/``value`` children or one fused ``qkv`` child), how a fused projection packs its
-rows (`Packing`), the out-projection child, and where the head counts live. `LAYOUTS`
-is the built-in table; `hdi_monitor.models.layout.build_layer` turns a matched module into an
-`AttentionLayer`, reading head counts from the module (or the child
-named by ``heads_at``), then its ``config``, then the model's ``config`` (only for modules without
-one), and checking every count against the weights' shapes.
+rows (`Packing`, or a class's own `Splitter`), the out-projection child, and where the head counts
+live. `hdi_monitor.models.layout` reads an entry (`build_layer` turns a matched module into an
+`AttentionLayer`, reading head counts from the module, or the child named by ``heads_at``, then its
+``config``, then the model's config passed to it, and checking every count against the weights'
+shapes); this module holds only the table and the few predicates and row orders its entries name.
 
 Fused layouts differ by family and cannot be told apart by shape, so a fused entry is always tied
-to module classes; a module with a fused child that no entry knows is refused (see
-`fused_refusal`), never guessed.
+to module classes; a module with a fused child that no entry knows is refused
+(`hdi_monitor.models.layout.fused_refusal`), never guessed.
 
-The code that reads an entry lives in `hdi_monitor.models.layout`; more entries are in
-`hdi_monitor.models.layouts_more`.
+Order matters: `hdi_monitor.models.layout.layout_adapters` makes one adapter per family, in the
+order each family first appears, trying its entries in table order (the gated-query ``llama``
+entry comes before the structural one, whose children it shares).
 """
 
 from __future__ import annotations
 
-import contextvars
 import re
 from collections.abc import Callable
-from functools import partial
-from typing import Any
 
-from torch import nn
+from einops import rearrange
+from torch import Tensor, nn
 
-from hdi_monitor.models.base import Adapter, AdapterMismatch, AttentionLayer, KVMap
+from hdi_monitor.models.base import AdapterMismatch, KVMap
 from hdi_monitor.models.layout import (
     FUSED_NAMES,
     PACKINGS,
     Layout,
     Packing,
+    _get,
     _positive_int,
-    build_layer,
+    class_refusal,
     default_mask_key,
+    fused_refusal,
     is_vision_module,
+    layout_adapters,
     resolve_heads,
     split_fused,
 )
-from hdi_monitor.models.layouts_more import MORE_REFUSED, merged
-from hdi_monitor.models.weights import base_layer, in_features, is_conv1d, is_projection, out_features
+from hdi_monitor.models.weights import base_layer, is_conv1d
 
+# Reader names re-exported for code that imported them from here (the reader is models/layout.py).
 __all__ = [
     "FUSED_NAMES",
     "KVMap",
     "LAYOUTS",
     "Layout",
+    "NOT_ATTENTION",
     "PACKINGS",
     "Packing",
-    "ROOT_CONFIG",
     "REFUSED",
-    "build_layer",
+    "REFUSED_PACKAGES",
     "class_refusal",
+    "codegen_split",
     "default_mask_key",
     "fused_refusal",
     "is_vision_module",
@@ -62,6 +66,7 @@ __all__ = [
 ]
 
 
+#: Classes that look like a known layout but compute attention differently: refused with the reason.
 REFUSED: tuple[tuple[str, str], ...] = (
     (
         r"\w*(Delta|Linear|Lightning)\w*Attention",
@@ -73,30 +78,41 @@ REFUSED: tuple[tuple[str, str], ...] = (
         "differential attention pairs heads (two softmax maps per value head); its heads are "
         "not q/k/v row blocks. Not measured; describe the heads you mean with an AttentionSpec",
     ),
+    (
+        r"Gemma(3n|4)AudioAttention",
+        "queries are scaled per channel by softplus(per_dim_scale), so its query heads are not row blocks of "
+        "q_proj. Not measured",
+    ),
+    (
+        r"DoryAttention",
+        "queries are rescaled per channel by the learned `sqk` after the rotary embedding (and "
+        "q/k are unit-normalised), so its query heads are not row blocks of q_proj. Not measured",
+    ),
+    (
+        r"Inkling(Text)?Attention",
+        "keys and values pass a learned causal short convolution (k_sconv, v_sconv) "
+        "after k_proj/v_proj, so its key/value heads are no fixed row blocks of the "
+        "projections. Not measured",
+    ),
 )
 
+#: Packages whose attention classes are refused whatever their children: ``(module prefix, reason)``.
+REFUSED_PACKAGES: tuple[tuple[str, str], ...] = (
+    (
+        "megatron.core",
+        "Megatron-core keeps its tensor-parallel shards as plain local tensors (ColumnParallelLinear / "
+        "RowParallelLinear, no DTensor placements), so neither the full weights nor which heads this rank holds "
+        "can be read without Megatron's parallel state, and its fused linear_qkv packs rows per query group. Not "
+        "measured (and not testable here: its forward needs CUDA)",
+    ),
+)
 
-def class_refusal(module: nn.Module) -> str | None:
-    """The refusal message for a class known not to fit its look-alike layout, else None."""
-    cls = type(module).__name__
-    for pattern, reason in REFUSED:
-        if re.fullmatch(pattern, cls):
-            return f"{cls}: {reason}"
-    return None
-
-
-def fused_refusal(name: str, module: nn.Module) -> str | None:
-    """The refusal message for a module with a fused q/k/v child whose layout no entry knows, else None."""
-    for child in FUSED_NAMES:
-        m = getattr(module, child, None)
-        if is_projection(m) and out_features(m) > in_features(m):
-            cls = type(module).__name__
-            return (
-                f"{cls} has a fused q/k/v projection {child!r} whose row layout is not known for this class "
-                f"(it cannot be told from the shapes); not measured. Describe it with AttentionSpec("
-                f"modules=..., qkv={child!r}, qkv_layout=..., output=...), qkv_layout one of {PACKINGS}"
-            )
-    return None
+#: Classes that have attention-like children (an ``in_proj``, or "Attention" in the class name) but hold no
+#: attention: Mamba mixers (``in_proj`` packs z, x, B, C, dt), MLPs, a relative-position bias table, a
+#: multimodal projector. Discovery does not list them as unmeasured attention.
+NOT_ATTENTION = re.compile(
+    r"\w*ShortConv|\w*Mamba\w*Mixer|FalconH1Mixer|\w*(MLP|Mlp)|\w*RelativeAttentionBias|\w*MultimodalProjection"
+)
 
 
 # ------------------------------------------------------------------------------------------ the table
@@ -113,6 +129,24 @@ def _cross(module: nn.Module) -> bool:
 
 def _has_n_head(module: nn.Module) -> bool:
     return _positive_int(getattr(module, "n_head", None)) is not None
+
+
+def _has(path: str) -> Callable[[nn.Module], bool]:
+    return lambda m: isinstance(_get(m, path), nn.Linear)
+
+
+def codegen_split(
+    module: nn.Module, w: Tensor, heads: int, kv_heads: int, head_dim: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """CodeGen's ``qkv_proj``: rows ``(mp_num, 3, D / mp_num)`` with the three parts in the order
+    query, **value**, key (``CodeGenAttention.forward``: ``qkv.view(..., mp_num, 3 * local_dim)``, then
+    ``query, value, key = qkv.split(local_dim, dim=-1)``); each part's rows, block-major, are the
+    head-major ``(H, d)`` rows of that projection."""
+    mp = getattr(module, "mp_num", None)
+    if not isinstance(mp, int) or mp < 1:
+        raise AdapterMismatch(f"{type(module).__name__} has no positive integer mp_num; its qkv_proj rows are unknown")
+    parts = rearrange(w, "(mp s local) m -> s (mp local) m", mp=mp, s=3)
+    return parts[0], parts[2], parts[1]
 
 
 # A data table, one compact entry per layout: kept as written, not reformatted.
@@ -183,6 +217,9 @@ LAYOUTS: tuple[Layout, ...] = (
     Layout("litgpt", "proj", qkv="qkv", packing="contiguous", classes=r"CausalSelfAttention",
            module_prefix="litgpt", used_by="litgpt GPT (n_query_groups GQA)"),
     Layout("t5", "o", "q", "k", "v", used_by="T5, mT5, UMT5 (encoder, decoder self- and cross-attention)"),
+    Layout("llama", "o_proj", "q_proj", "k_proj", "v_proj", classes=r"(Qwen3Next|Qwen3_5|Qwen3_5Moe|Qwen4Exp\w*)Attention",
+           gated_query=True,
+           used_by="Qwen3-Next, Qwen3.5 full-attention layers (q_proj rows (H, [q|gate], d), output gate)"),
     Layout("llama", "o_proj", "q_proj", "k_proj", "v_proj",
            used_by="Llama, Mistral, Mixtral, Qwen2/3, Gemma 1/2/3, OLMo 1/2, DeepSeek (MHA), ..."),
     Layout("bart", "out_proj", "q_proj", "k_proj", "v_proj",
@@ -201,44 +238,144 @@ LAYOUTS: tuple[Layout, ...] = (
     Layout("x_transformers", "to_out", "to_q", "to_k", "to_v", classes=r"Attention", module_prefix="x_transformers",
            kv_map="modulo", used_by="x-transformers Attention (GQA maps query head h to h % H_kv)"),
     Layout("wqkvo", "wo", "wq", "wk", "wv", used_by="Meta-reference style wq/wk/wv/wo"),
+    # fmt: on
+    # Read from the transformers 5.24 source of the classes they name; each is checked against what
+    # the module feeds its attention kernel (or its own forward) in tests/test_families_more.py.
+    Layout(
+        "codegen",
+        "out_proj",
+        qkv="qkv_proj",
+        packing="contiguous",
+        classes=r"CodeGenAttention",
+        split=codegen_split,
+        used_by="CodeGen (qkv_proj rows (mp_num=4, [q|v|k], D/4))",
+    ),
+    Layout(
+        "deberta",
+        "output.dense",
+        qkv="self.in_proj",
+        packing="interleaved",
+        classes=r"DebertaAttention",
+        heads_at="self",
+        used_by="DeBERTa v1 (in_proj viewed (H, 3 d), content projections)",
+    ),
+    Layout(
+        "vit", "output", "query", "key", "value", classes=r"Kosmos2_5VisionAttention", used_by="Kosmos-2.5 vision tower"
+    ),
+    Layout(
+        "vit",
+        "proj",
+        "query",
+        "key",
+        "value",
+        classes=r"VJEPA2RopeAttention",
+        masked=False,
+        used_by="V-JEPA 2 (3D rotary attention)",
+    ),
+    Layout(
+        "llama",
+        "o_proj.linear",
+        "q_proj.linear",
+        "k_proj.linear",
+        "v_proj.linear",
+        classes=r"(Moshi|KyutaiSpeechToText)\w*Attention",
+        when=_has("q_proj.linear"),
+        used_by="Moshi, Kyutai speech-to-text (MoshiLinear without per-codebook weights)",
+    ),
+    Layout(
+        "vit",
+        "proj",
+        "q",
+        "k",
+        "v",
+        classes=r"Qwen2_5OmniVisionAttention",
+        masked=False,
+        used_by="Qwen2.5-Omni vision tower",
+    ),
+    Layout(
+        "funnel",
+        "post_proj",
+        "q_head",
+        "k_head",
+        "v_head",
+        classes=r"FunnelRelMultiheadAttention",
+        used_by="Funnel Transformer (content projections; relative-position and token-type terms left out)",
+    ),
+    Layout(
+        "cpmant",
+        "attention_out",
+        "project_q",
+        "project_k",
+        "project_v",
+        classes=r"CpmAntAttention",
+        used_by="CPM-Ant (position bias left out)",
+    ),
+    Layout(
+        "blip",
+        "projection",
+        qkv="qkv",
+        packing="contiguous",
+        classes=r"BlipAttention",
+        masked=False,
+        used_by="BLIP vision tower (qkv reshaped (3, H, d))",
+    ),
+    Layout(
+        "bert",
+        "attention.dense",
+        "attention.query",
+        "attention.key",
+        "attention.value",
+        classes=r"TvpEncodeLayer",
+        heads_at="attention",
+        used_by="TVP (TvpAttention holds q/k/v and its out-projection dense)",
+    ),
+    Layout(
+        "bert",
+        "output",
+        "longformer_self_attn.query",
+        "longformer_self_attn.key",
+        "longformer_self_attn.value",
+        classes=r"LEDEncoderAttention",
+        heads_at="longformer_self_attn",
+        used_by="LED encoder (local-attention projections, as Longformer; the global-token projections "
+        "query_global/key_global/value_global are not read)",
+    ),
+    Layout(
+        "bark",
+        "out_proj",
+        qkv="att_proj",
+        packing="contiguous",
+        classes=r"BarkSelfAttention",
+        used_by="Bark semantic / coarse / fine models (att_proj split [q|k|v])",
+    ),
+    Layout(
+        "bert",
+        "output",
+        "self.query",
+        "self.key",
+        "self.value",
+        classes=r"BigBirdPegasusEncoderAttention",
+        heads_at="self",
+        used_by="BigBird-Pegasus encoder (full or block-sparse attention)",
+    ),
+    Layout(
+        "vit",
+        "proj",
+        "query",
+        "key",
+        "value",
+        classes=r"PvtV2SelfAttention",
+        masked=False,
+        used_by="PVTv2 (key/value read the spatially reduced tokens)",
+    ),
+    Layout(
+        "conformer",
+        "to_out",
+        cross_query="to_q",
+        qkv="to_kv",
+        packing="contiguous",
+        classes=r"GraniteSpeech\w*ConformerAttention",
+        masked=False,
+        used_by="Granite Speech conformer encoder (to_kv chunked [k|v]; Shaw relative positions left out)",
+    ),
 )
-# fmt: on
-
-LAYOUTS, REFUSED = merged(LAYOUTS), REFUSED + MORE_REFUSED
-
-
-#: The model config of the discovery under way (for modules without a config of their own).
-ROOT_CONFIG: contextvars.ContextVar[Any] = contextvars.ContextVar("hdi_monitor_root_config", default=None)
-
-
-def _matches_any(first: Callable[[str, nn.Module], Layout | None], name: str, module: nn.Module) -> bool:
-    return first(name, module) is not None
-
-
-def layout_adapters(layouts: tuple[Layout, ...] = LAYOUTS) -> list[Adapter]:
-    """The layout table as registry `Adapter` objects: one per family label, in table order,
-    trying that family's entries in order."""
-    families: dict[str, list[Layout]] = {}
-    for lay in layouts:
-        families.setdefault(lay.family, []).append(lay)
-    out = []
-    for family, entries in families.items():
-
-        def first(name: str, module: nn.Module, _entries: list[Layout] = entries) -> Layout | None:
-            return next((e for e in _entries if e.matches(name, module)), None)
-
-        def build(name: str, module: nn.Module, _first=first) -> AttentionLayer:
-            entry = _first(name, module)
-            if entry is None:
-                raise AdapterMismatch(f"{name}: {type(module).__name__} does not match its layout any more")
-            return entry.build(name, module, ROOT_CONFIG.get())
-
-        out.append(
-            Adapter(
-                family=family,
-                classes="; ".join(e.used_by or ", ".join(e.children()) for e in entries),
-                match=partial(_matches_any, first),
-                build=build,
-            )
-        )
-    return out

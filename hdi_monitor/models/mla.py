@@ -26,7 +26,8 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from hdi_monitor.models.base import Adapter, AdapterMismatch, AttentionLayer
-from hdi_monitor.models.layouts import ROOT_CONFIG, default_mask_key
+from hdi_monitor.models.layout import default_mask_key
+from hdi_monitor.models.tensor_parallel import tensor_parallel_of
 from hdi_monitor.models.weights import is_projection, linear_weight
 
 __all__ = ["ADAPTER", "ROPE_NOTE"]
@@ -56,7 +57,12 @@ def _norm_weight(norm: nn.Module, size: int) -> Tensor:
     return g.detach().float()
 
 
-def _build(name: str, module: nn.Module) -> AttentionLayer:
+def _build(name: str, module: nn.Module, root_config: Any = None) -> AttentionLayer:
+    if tensor_parallel_of(module, name) is not None:
+        raise AdapterMismatch(
+            f"{name}: {type(module).__name__} is split by tensor parallelism, and its latent projections have no "
+            "known per-rank split; not measured"
+        )
     mla: Any = module  # an MLA attention class of some library: its children are read by name
     cls = type(module).__name__
     dims = {
@@ -111,7 +117,7 @@ def _build(name: str, module: nn.Module) -> AttentionLayer:
             "output": lambda: linear_weight(out),
         },
         output_module=out,
-        mask_key=default_mask_key(name, module, ROOT_CONFIG.get()),
+        mask_key=default_mask_key(name, module, root_config),
         projection_dims={"query": nope + rope, "key": nope, "value": dv, "output": dv},
         notes=(ROPE_NOTE,),
     )

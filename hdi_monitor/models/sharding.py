@@ -16,8 +16,16 @@ it, whose outermost FSDP1 units are then the roots. Until a root has been lazily
 its first forward pass or summon), `full_weights` summons it first (``recurse=False``: only
 its own parameters, once).
 
-Summoning is a collective: every rank must enter `full_weights` for the same layers in the
-same order.
+* DeepSpeed ZeRO-3 keeps every parameter partitioned (shape ``[0]`` outside the forward pass;
+  the full shape is ``ds_shape``). `full_weights` gathers one attention layer's parameters with
+  ``deepspeed.zero.GatheredParameters(params, modifier_rank=None)`` (read only: nothing is written
+  back) and partitions them again on exit, so the extra memory is one layer.
+* Tensor parallelism (DTensor ``Shard`` placements on a ``tp`` mesh dimension, alone or with FSDP2
+  on a 2-D mesh) needs nothing here either: ``.full_tensor()`` gathers over every mesh dimension.
+  Head counts are read from these full shapes (`hdi_monitor.models.tensor_parallel`).
+
+Summoning and gathering are collectives: every rank must enter `full_weights` for the same layers
+in the same order.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from hdi_monitor.models.base import AttentionLayer
+from hdi_monitor.models.tensor_parallel import zero3_params
 
 __all__ = ["contains_fsdp1", "full_weights", "fsdp1_units", "gathers_weights", "is_fsdp1_module"]
 
@@ -144,8 +153,11 @@ def fsdp1_units(module: nn.Module, root: nn.Module | None = None, *, name: str |
 
 
 def gathers_weights(layer: AttentionLayer, root: nn.Module | None = None) -> bool:
-    """True if reading ``layer``'s weights is a collective: DTensor (FSDP2) or FSDP1 parameters."""
+    """True if reading ``layer``'s weights is a collective: DTensor (FSDP2, tensor parallel), ZeRO-3
+    or FSDP1 parameters."""
     if any(callable(getattr(p, "full_tensor", None)) for p in layer.module.parameters()):
+        return True
+    if zero3_params(layer.module):
         return True
     if root is None:
         return _looks_fsdp1(layer.module)
@@ -157,9 +169,11 @@ def full_weights(layer: AttentionLayer | nn.Module, root: nn.Module | None = Non
     """Inside this context the weights of ``layer`` are complete on every rank.
 
     For FSDP1 it summons the units of `fsdp1_units` with ``recurse=False, writeback=False``
-    (read only; changes are not written back) and reshards them on exit; for anything else it
-    does nothing. A collective under FSDP1: every rank must enter it for the same layers in the
-    same order. Must not be used inside the forward or backward pass.
+    (read only; changes are not written back) and reshards them on exit; for DeepSpeed ZeRO-3 it
+    gathers the layer's partitioned parameters with ``deepspeed.zero.GatheredParameters(params,
+    modifier_rank=None)`` (read only) and partitions them again on exit; for anything else it does
+    nothing. A collective under FSDP1 and ZeRO-3: every rank must enter it for the same layers in
+    the same order. Must not be used inside the forward or backward pass.
 
     Args:
         layer: an `AttentionLayer` or its module.
@@ -169,6 +183,14 @@ def full_weights(layer: AttentionLayer | nn.Module, root: nn.Module | None = Non
     Raises:
         ValueError: the layer is FSDP1-managed and ``root`` is None, or it is not inside ``root``.
     """
+    module = layer.module if isinstance(layer, AttentionLayer) else layer
+    zero3 = zero3_params(module)
+    if zero3:
+        import deepspeed  # a ZeRO-3 parameter exists only where deepspeed is installed
+
+        with deepspeed.zero.GatheredParameters(zero3, modifier_rank=None):
+            yield
+        return
     if isinstance(layer, AttentionLayer):
         units = fsdp1_units(layer.module, root, name=layer.name)
     else:

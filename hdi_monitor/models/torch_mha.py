@@ -23,7 +23,17 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from hdi_monitor.models.base import Adapter, AttentionLayer, ErrorHandler, HookHandle, OutputHook, full_weight, guarded
+from hdi_monitor.models.base import (
+    Adapter,
+    AdapterMismatch,
+    AttentionLayer,
+    ErrorHandler,
+    HookHandle,
+    OutputHook,
+    full_weight,
+    guarded,
+)
+from hdi_monitor.models.tensor_parallel import tensor_parallel_of
 
 __all__ = ["ADAPTER", "MHALayer", "mha_head_outputs"]
 
@@ -197,6 +207,11 @@ def _match(name: str, module: nn.Module) -> bool:
 
 
 def _build(name: str, module: nn.Module) -> AttentionLayer:
+    if tensor_parallel_of(module, name) is not None:
+        raise AdapterMismatch(
+            f"{name}: {type(module).__name__} is split by tensor parallelism, and its fused in_proj_weight has "
+            "no known row split; not measured"
+        )
     assert isinstance(module, nn.MultiheadAttention)
     mha = module
 

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from hdi_monitor.models.base import AdapterMismatch, full_weight
+from hdi_monitor.models.tensor_parallel import logical_shape
 
 __all__ = ["base_layer", "in_features", "is_conv1d", "is_lora", "is_projection", "linear_weight", "out_features"]
 
@@ -36,7 +37,7 @@ def is_conv1d(m: Any) -> bool:
         and type(m).__name__ == "Conv1D"
         and isinstance(getattr(m, "nf", None), int)
         and isinstance(w, Tensor)
-        and w.ndim == 2
+        and len(logical_shape(w)) == 2
     )
 
 
@@ -80,13 +81,15 @@ _base = base_layer
 def out_features(m: nn.Module) -> int:
     """Output width of a projection module (from the weight's shape: works on meta/lazy-free modules)."""
     b = _base(m)
-    return b.weight.shape[1] if is_conv1d(b) else b.weight.shape[0]
+    shape = logical_shape(b.weight)  # the full shape under ZeRO-3 (a partitioned weight is [0])
+    return shape[1] if is_conv1d(b) else shape[0]
 
 
 def in_features(m: nn.Module) -> int:
     """Input width of a projection module."""
     b = _base(m)
-    return b.weight.shape[0] if is_conv1d(b) else b.weight.shape[1]
+    shape = logical_shape(b.weight)
+    return shape[0] if is_conv1d(b) else shape[1]
 
 
 def _float(t: Tensor) -> Tensor:

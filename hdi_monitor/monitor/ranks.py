@@ -121,8 +121,20 @@ def disagreement(fingerprints: Sequence[dict[str, str]]) -> str | None:
     return (
         "hdi-monitor: the ranks do not watch the same thing, so their measurements cannot be combined "
         "(their collectives would mix different layers, or wait for each other until the process group "
-        "times out):\n" + "\n".join(lines) + "\nGive every rank the same model, layers/spec and monitor settings."
+        "times out):\n"
+        + "\n".join(lines)
+        + "\nGive every rank the same model, layers/spec and monitor settings."
+        + (
+            " Pipeline parallelism (each stage holding different layers) is not supported: measure the whole "
+            "model outside the pipeline (head_diversity on a checkpoint) instead."
+            if any(name.startswith(("number of layers", "layers")) for name in _differing(fingerprints))
+            else ""
+        )
     )
+
+
+def _differing(fingerprints: Sequence[dict[str, str]]) -> list[str]:
+    return [name for name in SETTINGS if len({fp.get(name) for fp in fingerprints}) > 1]
 
 
 def _dist() -> Any:

@@ -55,7 +55,6 @@ from hdi_monitor.functional._numerics import no_autocast
 from hdi_monitor.functional.covariance import (
     HeadCovarianceAccumulator,
     compute_results,
-    sync_accumulators,
 )
 from hdi_monitor.functional.diversity import pairwise_principal_angles
 from hdi_monitor.models import AttentionLayer, find_attention_layers
@@ -69,6 +68,7 @@ from hdi_monitor.models.hooks import (
     output_accumulator,
 )
 from hdi_monitor.models.sharding import is_fsdp1_module
+from hdi_monitor.models.tensor_parallel import sync_data_parallel
 from hdi_monitor.monitor import gaps, ranks, resume
 from hdi_monitor.monitor._layers import describe_change, heads_text, naming_hint, signature, submodule
 from hdi_monitor.monitor._warnings import summarize_events, warn
@@ -511,7 +511,7 @@ class HDITracker:
             if acc is not None
         ]
         accs = [acc for acc, _ in pairs]
-        sync_accumulators(accs)  # collectives first: two for all layers
+        sync_data_parallel(accs, self.layers)  # collectives first (layer check + two sums), data-parallel ranks
         results: list[Any] = [None] * len(accs)
         try:
             results = compute_results(accs, min_tokens=2)  # caches every token count on the host
