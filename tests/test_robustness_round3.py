@@ -517,6 +517,10 @@ _HEADER = (
     "collectives would mix different layers, or wait for each other until the process group times out):\n"
 )
 _FOOTER = "\nGive every rank the same model, layers/spec and monitor settings."
+_PIPELINE = (
+    " Pipeline parallelism (each stage holding different layers) is not supported: measure the whole "
+    "model outside the pipeline (head_diversity on a checkpoint) instead."
+)
 
 
 def _fp(**kw):
@@ -591,13 +595,13 @@ def test_ddp_ranks_that_disagree_raise_the_same_clear_error_on_every_rank(tmp_pa
     shape = "(4/4 heads x 4, D=16)"
     assert got["same shape, other layers"] == (
         _HEADER + f"  layers (names and shapes) differs: rank 0: layers.0.self_attn {shape}, rank 1: "
-        f"layers.1.self_attn {shape}" + _FOOTER
+        f"layers.1.self_attn {shape}" + _FOOTER + _PIPELINE
     )
     assert got["every_n_steps"] == _HEADER + "  every_n_steps differs: rank 0: 10, rank 1: 20" + _FOOTER
     assert got["number of layers"] == (
         _HEADER + "  number of layers differs: rank 0: 2, rank 1: 1\n"
         f"  layers (names and shapes) differs: rank 0: layers.0.self_attn {shape}; layers.1.self_attn {shape}, "
-        f"rank 1: layers.0.self_attn {shape}" + _FOOTER
+        f"rank 1: layers.0.self_attn {shape}" + _FOOTER + _PIPELINE
     )
     assert got["agree"] == "ok 2"
 
