@@ -49,14 +49,12 @@ NO_USER_CODE = "hdi-monitor"
 
 def _is_launcher(frame: FrameType) -> bool:
     """True for frames that start Python rather than run the user's code: ``python -m``'s runpy
-    (``<frozen runpy>``), and the outermost frame of a console script in the environment's
-    ``bin``/``Scripts`` folder (``sys.exit(main())`` of ``hdi-monitor demo``)."""
+    (``<frozen runpy>``), and a console script in the environment's ``bin``/``Scripts`` folder
+    (``sys.exit(main())`` of ``hdi-monitor demo``)."""
     global _launcher_dirs
     filename = frame.f_code.co_filename
     if filename.startswith("<frozen") or os.path.basename(filename) == "runpy.py":
         return True
-    if frame.f_back is not None:
-        return False  # a console script's module frame is the outermost one
     if _launcher_dirs is None:
         dirs = {sysconfig.get_path("scripts")}
         for prefix in {sys.prefix, sys.base_prefix, sys.exec_prefix}:
