@@ -46,6 +46,9 @@ _SLOW_TESTS = {
     "test_callback.py::test_runs_of_different_depth_share_every_custom_scalars_chart": "two Trainer runs",
     "test_allocation.py::test_reported_standard_errors_match_the_spread_over_noise_draws": "many refits",
     "test_allocation.py::test_cli_prints_recommendation_table_and_writes_plot": "a sweep and a plot",
+    # doc pages whose run repeats a quick test (README quick start; test_callback's EarlyStopping)
+    "test_docs.py::test_page_blocks_run[docs/index.md]": "the README quick start again",
+    "test_docs.py::test_page_blocks_run[docs/early-warnings.md]": "test_callback's EarlyStopping run again",
 }
 
 
@@ -55,8 +58,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         name = item.path.name
         test_id = f"{name}::{item.name.split('[')[0]}"
+        full_id = f"{name}::{item.name}"
         fixtures = getattr(item, "fixturenames", ())
-        if name in _SLOW_FILES or test_id in _SLOW_TESTS or any((name, f) in _SLOW_FIXTURES for f in fixtures):
+        if (
+            name in _SLOW_FILES
+            or test_id in _SLOW_TESTS
+            or full_id in _SLOW_TESTS
+            or any((name, f) in _SLOW_FIXTURES for f in fixtures)
+        ):
             item.add_marker(pytest.mark.slow)
 
 

@@ -223,10 +223,10 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
             )
         self.config = MonitorConfig(
             every_n_steps=every_n_steps,
-            projections=projections if isinstance(projections, str) else tuple(projections),  # type: ignore[arg-type]
+            projections=tuple(projections) if isinstance(projections, list) else projections,  # type: ignore[arg-type]
             weighting=weighting,
-            layers=layers if layers is None or isinstance(layers, str) else tuple(layers),
-            spec=spec if spec is None or isinstance(spec, AttentionSpec) else tuple(spec),
+            layers=tuple(layers) if isinstance(layers, list) else layers,  # type: ignore[arg-type]
+            spec=tuple(spec) if isinstance(spec, list) else spec,  # type: ignore[arg-type]
             log_images_every_n_steps=log_images_every_n_steps,
             activations=activations,
             max_tokens=max_tokens,
