@@ -34,6 +34,7 @@ _SLOW_FILES = {
     "test_compile_checkpoint.py": "torch.compile traces (Dynamo) of several models",
     "test_training_unchanged.py": "bit-for-bit training comparisons, with and without the monitor",
     "test_demo_cli.py": "the demo and the LightningCLI config, end to end",
+    "test_allocation.py": "the allocation advisor (contrib): law fits and sweeps against their references",
 }
 _SLOW_FIXTURES = {
     ("test_dashboard.py", "deep"): "a 24-layer model trained for the depth checks",
@@ -44,8 +45,6 @@ _SLOW_TESTS = {
     "test_integrations.py::test_example_plain_loop_runs": "runs the example script",
     "test_integrations.py::test_hf_default_tensorboard_report_is_one_run_with_the_loss": "two Trainer runs",
     "test_callback.py::test_runs_of_different_depth_share_every_custom_scalars_chart": "two Trainer runs",
-    "test_allocation.py::test_reported_standard_errors_match_the_spread_over_noise_draws": "many refits",
-    "test_allocation.py::test_cli_prints_recommendation_table_and_writes_plot": "a sweep and a plot",
     # doc pages whose run repeats a quick test (README quick start; test_callback's EarlyStopping)
     "test_docs.py::test_page_blocks_run[docs/index.md]": "the README quick start again",
     "test_docs.py::test_page_blocks_run[docs/early-warnings.md]": "test_callback's EarlyStopping run again",
