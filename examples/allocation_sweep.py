@@ -25,7 +25,7 @@ each (the seed draws the data and the initial projection, shared by all splits).
 The default ``--out`` is ``benchmarks/results/allocation_sweep/``: its ``allocation.md`` is the one
 place the sweep's numbers are written down (docs/allocation.md includes it), so rerun the script
 instead of editing numbers by hand. Runs in about two minutes on 2 CPU cores (``--quick`` for a
-smoke run). Needs scipy (``pip install 'hdi-monitor[advisor]'``).
+smoke run). Needs scipy (from a checkout: ``pip install -e '.[advisor]'``).
 """
 
 from __future__ import annotations

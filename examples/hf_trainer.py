@@ -1,8 +1,9 @@
-"""Head-diversity monitoring with the Hugging Face ``Trainer`` (``pip install 'hdi-monitor[hf]' accelerate``).
+"""Head-diversity monitoring with the Hugging Face ``Trainer`` (from a checkout: ``pip install -e '.[hf]'``).
 
 A small GPT-2 built from a config (no download) learns the source of a few standard-library modules,
-one byte per token. ``HDITrainerCallback`` shares the Trainer's TensorBoard writer, so the loss and
-the HDI curves land in one event stream on one step axis (the Trainer's ``global_step``)::
+one byte per token. With ``report_to="tensorboard"``, ``HDITrainerCallback`` writes through the
+Trainer's own TensorBoard writer, so the loss and the HDI curves are one run on one step axis (the
+Trainer's ``global_step``)::
 
     python examples/hf_trainer.py --out runs/hf --steps 200
     tensorboard --logdir runs/hf
@@ -16,9 +17,7 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
-from torch.utils.tensorboard import SummaryWriter
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-from transformers.integrations import TensorBoardCallback
 
 from hdi_monitor.contrib.demo import stdlib_text
 from hdi_monitor.integrations import HDITrainerCallback
@@ -69,17 +68,16 @@ def train(
         eos_token_id=0,
     )
     model = GPT2LMHeadModel(config)
-    writer = SummaryWriter(str(out_dir))  # one writer: the Trainer's loss and the HDI curves together
-    monitor = HDITrainerCallback(every_n_steps=every, log_images_every_n_steps=images_every, writer=writer)
+    monitor = HDITrainerCallback(every_n_steps=every, log_images_every_n_steps=images_every)
     args = TrainingArguments(
-        output_dir=str(Path(out_dir) / "checkpoints"),
+        output_dir=str(out_dir),  # TensorBoard run: <out_dir>/runs/<date>_<host>
         max_steps=steps,
         per_device_train_batch_size=batch_size,
         gradient_accumulation_steps=grad_accum,
         learning_rate=lr,
         logging_steps=every,  # loss points on the same steps as the HDI points
         save_strategy="no",
-        report_to=[],  # TensorBoardCallback is added below, with the shared writer
+        report_to="tensorboard",  # the callback writes through this writer: one run with the loss
         use_cpu=not torch.cuda.is_available(),
         seed=seed,
         disable_tqdm=True,
@@ -88,10 +86,9 @@ def train(
         model=model,
         args=args,
         train_dataset=ByteWindows(seq_len, seed=seed),
-        callbacks=[TensorBoardCallback(writer), monitor],
+        callbacks=[monitor],
     )
     trainer.train()
-    writer.close()
     return monitor
 
 

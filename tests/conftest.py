@@ -25,6 +25,49 @@ warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
 
 
+# ----------------------------------------------------------------------------- test tiers
+# The quick loop, ``pytest -m "not slow"``, keeps the math, the discovery tables, the detector and
+# the config against their references, and the callbacks' main paths; the tests below (and those
+# marked ``slow`` in their own files: subprocesses, several processes, logging backends) are the
+# slow tier, which CI runs with everything else (``pytest`` without ``-m``).
+_SLOW_FILES = {
+    "test_compile_checkpoint.py": "torch.compile traces (Dynamo) of several models",
+    "test_training_unchanged.py": "bit-for-bit training comparisons, with and without the monitor",
+    "test_demo_cli.py": "the demo and the LightningCLI config, end to end",
+    "test_allocation.py": "the allocation advisor (contrib): law fits and sweeps against their references",
+}
+_SLOW_FIXTURES = {
+    ("test_dashboard.py", "deep"): "a 24-layer model trained for the depth checks",
+    ("test_integrations.py", "hf_run"): "a Hugging Face Trainer run with gradient accumulation and references",
+}
+_SLOW_TESTS = {
+    "test_integrations.py::test_example_hf_trainer_runs": "runs the example script",
+    "test_integrations.py::test_example_plain_loop_runs": "runs the example script",
+    "test_integrations.py::test_hf_default_tensorboard_report_is_one_run_with_the_loss": "two Trainer runs",
+    "test_callback.py::test_runs_of_different_depth_share_every_custom_scalars_chart": "two Trainer runs",
+    # doc pages whose run repeats a quick test (README quick start; test_callback's EarlyStopping)
+    "test_docs.py::test_page_blocks_run[docs/index.md]": "the README quick start again",
+    "test_docs.py::test_page_blocks_run[docs/early-warnings.md]": "test_callback's EarlyStopping run again",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the slow tier (see ``_SLOW_FILES``); markers only, so tests added elsewhere stay quick
+    unless their file or id is listed here or they mark themselves."""
+    for item in items:
+        name = item.path.name
+        test_id = f"{name}::{item.name.split('[')[0]}"
+        full_id = f"{name}::{item.name}"
+        fixtures = getattr(item, "fixturenames", ())
+        if (
+            name in _SLOW_FILES
+            or test_id in _SLOW_TESTS
+            or full_id in _SLOW_TESTS
+            or any((name, f) in _SLOW_FIXTURES for f in fixtures)
+        ):
+            item.add_marker(pytest.mark.slow)
+
+
 def read_events(log_dir: str | Path):
     """An EventAccumulator over every event file under ``log_dir``, keeping everything (size_guidance 0)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -554,7 +554,11 @@ def _timm_importable() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _timm_importable(), reason="timm is not importable here")
+@pytest.mark.skipif(
+    not _timm_importable(),
+    reason="timm is not importable: it needs torchvision, and no torchvision build matches the CPU torch that CI "
+    "installs, so CI cannot run this test (PITFALLS); run it where a matching torchvision is installed",
+)
 def test_real_timm_vit():
     import timm
 

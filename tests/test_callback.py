@@ -11,7 +11,7 @@ import torch
 from conftest import loader, read_events, scalar_series, tiny_lm, trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from hdi_monitor import HDIMonitor, SaturationDetector, head_diversity
+from hdi_monitor import DiversityWarning, HDIMonitor, SaturationDetector, head_diversity
 from hdi_monitor.contrib.demo import CharLM
 
 PROJECTIONS = ("query", "key", "value", "output")
@@ -90,7 +90,7 @@ def test_custom_scalars_layout_written_once(tb_run):
                 found.append(layout)
     assert len(found) == 1
     charts = {chart.title: chart for cat in found[0].category for chart in cat.chart}
-    margin = charts["HDI (key): mean over 2 layers, min-max band, chance level"].margin.series
+    margin = charts["HDI (key): mean over layers, min-max band, chance level"].margin.series
     assert [(s.value, s.lower, s.upper) for s in margin] == [
         ("hdi/key/mean", "hdi/key/min", "hdi/key/max"),
         ("hdi_chance/key", "hdi_chance/key", "hdi_chance/key"),
@@ -107,17 +107,23 @@ def test_custom_scalars_layout_written_once(tb_run):
         assert any(re.match(p, tag) for p in patterns), tag
     assert not any(re.match(p, "hdi/query/" + LAYERS[0]) for p in patterns)
     assert any(re.match(p, "train_loss") for p in charts["training loss"].multiline.tag)
-    health = charts["invalid heads (key)"]
-    assert any(re.match(p, f"invalid_heads/key/{LAYERS[1]}") for p in health.multiline.tag)
+    assert not any(re.match(p, "val_loss") for p in charts["training loss"].multiline.tag)
+    totals = charts["invalid heads per projection (0 when healthy)"].multiline.tag
+    per_layer = charts["invalid heads per layer (layers that had any)"].multiline.tag
+    assert any(re.match(p, "invalid_heads/key") for p in totals)
+    assert any(re.match(p, f"invalid_heads/key/{LAYERS[1]}") for p in per_layer)
+    assert not any(re.match(p, f"invalid_heads/key/{LAYERS[1]}") for p in totals)
 
 
 def test_invalid_head_counts_logged_on_every_measured_step(tb_run):
-    """Item 5 (issue 12): invalid_heads/<projection>/<layer> is a scalar on every measured step (0 here)."""
+    """Item 5 (issue 12): invalid_heads/<projection> (over all layers) is a scalar on every measured
+    step (0 here); a healthy model writes no per-layer invalid_heads tags (issue 24: no all-zero
+    charts per layer in the Scalars tab)."""
     accs = tb_run[3]
+    tags = {t for acc in accs for t in acc.Tags()["scalars"]}
     for p in PROJECTIONS:
-        for layer in LAYERS:
-            series = scalar_series(accs, f"invalid_heads/{p}/{layer}")
-            assert series == {0: 0.0, 3: 0.0, 6: 0.0, 9: 0.0}
+        assert scalar_series(accs, f"invalid_heads/{p}") == {0: 0.0, 3: 0.0, 6: 0.0, 9: 0.0}
+        assert not [t for t in tags if t.startswith(f"invalid_heads/{p}/")]
 
 
 def test_activation_scalars_equal_the_offline_covariance_of_each_batch(tb_run):
@@ -199,7 +205,7 @@ def test_fit_twice_on_one_trainer_continues_history_and_detector(tmp_path):
     t.fit(model, loader(n=16))  # 4 steps: measured 0, 2
     assert [h["step"] for h in monitor.history] == [0, 2] and monitor.tracker.events == []
     t.fit_loop.max_epochs = 2
-    with pytest.warns(UserWarning):  # the DiversityWarning of step 6 (and Lightning's own notes)
+    with pytest.warns(DiversityWarning, match="saturation"):  # the DiversityWarning of step 6
         t.fit(model, loader(n=16))  # steps 4..7: measured 4, 6
     assert t.global_step == 8
     assert [h["step"] for h in monitor.history] == [0, 2, 4, 6]
@@ -263,24 +269,43 @@ def test_two_monitors_coexist_with_state_keys(tmp_path):
     assert [h["step"] for h in a.history] == [h["step"] for h in b.history] == [0, 2]
 
 
-def test_internal_error_becomes_warning_and_training_goes_on(tmp_path, monkeypatch):
-    import hdi_monitor.monitor.tracker as tracker_mod
+def _breakable_spec(broken: dict[str, bool]):
+    """A user spec for the demo's attention whose key weights raise once ``broken["now"]`` is set
+    (the public seam: a callable spec reference), so a measurement fails inside the monitor."""
+    from hdi_monitor import AttentionSpec
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("boom")
+    def qkv(m):
+        if broken["now"]:
+            raise RuntimeError("boom")
+        return m.in_proj_weight
 
-    monkeypatch.setattr(tracker_mod, "compute_report", broken)
+    return AttentionSpec(modules=r"self_attn$", qkv=qkv, qkv_layout="contiguous", output="out_proj", num_heads=4)
+
+
+class _BreakAfterStart(pl.Callback):
+    def __init__(self, broken: dict[str, bool]) -> None:
+        self.broken = broken
+
+    def on_train_start(self, trainer, pl_module):
+        self.broken["now"] = True  # setup saw healthy weights; every measurement now fails
+
+
+def test_internal_error_becomes_warning_and_training_goes_on(tmp_path):
+    from hdi_monitor import MonitoringWarning
+
+    broken = {"now": False}
     model = tiny_lm()
-    monitor = HDIMonitor(every_n_steps=1, detector=None)
-    with pytest.warns(tracker_mod.MonitoringWarning, match="boom"):
-        t = trainer(tmp_path, monitor, max_steps=3)
+    monitor = HDIMonitor(every_n_steps=1, detector=None, spec=_breakable_spec(broken))
+    with pytest.warns(MonitoringWarning, match="boom"):
+        t = trainer(tmp_path, [monitor, _BreakAfterStart(broken)], max_steps=3)
         t.fit(model, loader())
     assert t.global_step == 3
     assert monitor.history == []
 
-    strict = HDIMonitor(every_n_steps=1, strict=True, detector=None)
+    broken["now"] = False
+    strict = HDIMonitor(every_n_steps=1, strict=True, detector=None, spec=_breakable_spec(broken))
     with pytest.raises(RuntimeError, match="boom"):
-        trainer(tmp_path, strict, max_steps=3).fit(tiny_lm(), loader())
+        trainer(tmp_path, [strict, _BreakAfterStart(broken)], max_steps=3).fit(tiny_lm(), loader())
 
 
 def test_hooks_removed_on_exception(tmp_path):
@@ -380,7 +405,118 @@ def test_points_use_the_weights_of_their_forward_pass(tmp_path):
     for step in (0, 2, 4):
         old_model, batch = snapshots[step]
         with torch.no_grad():
-            assert loss[step] == pytest.approx(float(old_model._loss(tuple(batch))), rel=1e-6)
+            logits = old_model(batch[0])  # the model's own forward pass and the loss CharLM logs
+            expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[1].reshape(-1))
+            assert loss[step] == pytest.approx(float(expected), rel=1e-6)
         assert hdi[step] == pytest.approx(head_diversity(old_model).layers[0].hdi["key"], rel=1e-6)
     # and the weights did move between measurements
     assert by_step[2][f"hdi/key/{LAYERS[0]}"] != pytest.approx(by_step[4][f"hdi/key/{LAYERS[0]}"], rel=1e-7)
+
+
+def test_early_stopping_watches_the_published_hdi(tmp_path):
+    """Issue 24: stock ``EarlyStopping(monitor="hdi/key/mean", mode="max")`` stops a run whose HDI
+    stops improving (lr = 0: the weights, hence the HDI, never move), on the value the monitor logged,
+    which is the model's own HDI (`head_diversity` of its weights)."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    model = tiny_lm(lr=0.0)
+    monitor = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, detector=None)
+    stop = EarlyStopping(monitor="hdi/key/mean", mode="max", patience=2, check_on_train_epoch_end=True)
+    t = trainer(tmp_path, [monitor, stop], max_steps=1000, max_epochs=50)
+    t.fit(model, loader(n=16))  # 4 steps an epoch
+    # epoch 0 sets the best; epochs 1 and 2 do not improve on it: stopped at the end of epoch 2
+    assert stop.stopped_epoch == 2 and t.current_epoch == 3 and t.global_step == 12
+    expected = head_diversity(model).mean_hdi("key")
+    assert float(stop.best_score) == pytest.approx(expected, rel=1e-6)
+    logged = scalar_series(read_events(t.logger.log_dir), "hdi/key/mean")
+    assert sorted(logged) == list(range(0, 12, 2))
+    assert float(t.callback_metrics["hdi/key/mean"]) == pytest.approx(logged[10], rel=1e-6)
+
+
+def test_callback_metrics_hold_the_logged_summaries_and_model_checkpoint_saves_on_them(tmp_path):
+    """Issue 24: on measured steps the model-mean HDI per projection, the mean effective heads and the
+    event counts are in ``trainer.callback_metrics`` under their logged names, and
+    ``ModelCheckpoint(monitor="hdi/key/mean", mode="max")`` saves the best step on them."""
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    seen: dict[int, dict[str, float]] = {}
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen[trainer.global_step - 1] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+    model = tiny_lm(lr=0.05)
+    monitor = HDIMonitor(every_n_steps=2, log_images_every_n_steps=0)
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", monitor="hdi/key/mean", mode="max", save_top_k=1, every_n_train_steps=1
+    )
+    t = trainer(tmp_path, [monitor, ckpt, Record()], max_steps=7, enable_checkpointing=True)
+    t.fit(model, loader())
+    accs = read_events(t.logger.log_dir)
+    names = [f"hdi/{p}/mean" for p in PROJECTIONS] + ["effective_heads/mean"]
+    names += ["diversity_events/saturation", "diversity_events/collapse", "diversity_events/redundancy"]
+    for step in (0, 2, 4, 6):  # measured steps: the logged value, under the logged name
+        for name in names:
+            assert seen[step][name] == pytest.approx(scalar_series(accs, name)[step], rel=1e-6), (step, name)
+    for step in (1, 3, 5):  # in between: the last measured value
+        assert seen[step]["hdi/key/mean"] == seen[step - 1]["hdi/key/mean"]
+    key = scalar_series(accs, "hdi/key/mean")
+    best_step = max(key, key=key.get)
+    assert float(ckpt.best_model_score) == pytest.approx(key[best_step], rel=1e-6)
+    # saved at the end of the best measured batch (global_step = step + 1, after its optimizer
+    # update); a tie later does not replace it
+    assert Path(ckpt.best_model_path).is_file() and f"step={best_step + 1}.ckpt" in ckpt.best_model_path
+    assert len(set(key.values())) == len(key)  # the weights moved: a real choice among 4 values
+
+
+def test_runs_of_different_depth_share_every_custom_scalars_chart(tmp_path):
+    """Issue 24: a ``runs/`` folder with a 2-layer and a 4-layer run shows each Custom Scalars chart
+    once. The layouts are merged by TensorBoard's own Custom Scalars plugin (it drops a chart only when
+    another run has the identical chart); every chart's regexes still find each run's tags."""
+    import json
+    import re
+
+    from tensorboard import context as tb_context
+    from tensorboard.backend.event_processing import data_provider
+    from tensorboard.backend.event_processing import plugin_event_multiplexer as multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.custom_scalar.custom_scalars_plugin import CustomScalarsPlugin
+
+    runs = tmp_path / "runs"
+    for name, depth in (("two", 2), ("four", 4)):
+        torch.manual_seed(0)
+        model = CharLM(d_model=32, num_heads=4, num_layers=depth, seq_len=16, lr=0.0)
+        monitor = HDIMonitor(every_n_steps=2, log_images_every_n_steps=0, detector=None)
+        trainer(tmp_path, monitor, max_steps=3, logger=TensorBoardLogger(str(runs), name=name)).fit(model, loader())
+    mux = multiplexer.EventMultiplexer()
+    mux.AddRunsFromDirectory(str(runs))
+    mux.Reload()
+    context = base_plugin.TBContext(
+        logdir=str(runs), multiplexer=mux, data_provider=data_provider.MultiplexerDataProvider(mux, str(runs))
+    )
+    merged = CustomScalarsPlugin(context).layout_impl(tb_context.RequestContext(), "")
+    merged = json.loads(merged) if isinstance(merged, (str, bytes)) else merged
+    titles = [chart["title"] for category in merged["category"] for chart in category["chart"]]
+    assert len(titles) == len(set(titles)), sorted(t for t in titles if titles.count(t) > 1)
+    # as many charts as one run has: nothing was added by the second run
+    single = CustomScalarsPlugin(
+        base_plugin.TBContext(
+            logdir=str(runs / "four"),
+            multiplexer=(m := multiplexer.EventMultiplexer().AddRunsFromDirectory(str(runs / "four"))),
+            data_provider=data_provider.MultiplexerDataProvider(m.Reload(), str(runs / "four")),
+        )
+    ).layout_impl(tb_context.RequestContext(), "")
+    single = json.loads(single) if isinstance(single, (str, bytes)) else single
+    assert len(titles) == sum(len(category["chart"]) for category in single["category"])
+    assert "HDI (key): mean over layers, min-max band, chance level" in titles
+    assert not [t for t in titles if re.search(r"\d+ layers", t)]
+    charts = {chart["title"]: chart for category in merged["category"] for chart in category["chart"]}
+    per_layer = charts["HDI (key) per layer"]["multiline"]["tag"]
+    for run, depth in (("two", 2), ("four", 4)):
+        tags = {t for acc in read_events(runs / run) for t in acc.Tags()["scalars"]}
+        layer_tags = {t for t in tags if t.startswith("hdi/key/") and t.split("/")[-1] not in ("mean", "min", "max")}
+        assert len(layer_tags) == depth
+        assert {t for t in tags if any(re.match(p, t) for p in per_layer) and t.startswith("hdi/")} == layer_tags
+        for chart in charts.values():  # every margin series exists in both runs
+            for series in chart.get("margin", {}).get("series", []):
+                assert {series["value"], series["lower"], series["upper"]} <= tags, (run, chart["title"])

@@ -4,6 +4,7 @@ reported as redundant, and a resumed run warns exactly as an uninterrupted one."
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -162,3 +163,43 @@ def test_at_most_one_warning_per_measured_step_pointing_at_user_code(tmp_path):
         len(acc.Tensors(tag)) for acc in accs for tag in acc.Tags()["tensors"] if tag.startswith("diversity_events")
     )
     assert texts == len(events)
+
+
+_WARNS = """
+import sys, warnings
+warnings.simplefilter("always")
+from lightning.pytorch.loggers import CSVLogger
+from hdi_monitor.integrations.loggers import sinks_for_loggers
+sinks_for_loggers([CSVLogger(sys.argv[1])])  # a MonitoringWarning raised inside hdi-monitor
+"""
+
+
+def _stderr_of(code_path: str, tmp_path) -> str:
+    """Run ``_WARNS`` as if it were the file ``code_path`` (a console script or a user script)."""
+    import os
+    import subprocess
+    import sys
+
+    runner = f"import sys; sys.argv = ['x', {str(tmp_path)!r}]; exec(compile({_WARNS!r}, {code_path!r}, 'exec'))"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), *sys.path]))
+    proc = subprocess.run([sys.executable, "-c", runner], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr
+
+
+@pytest.mark.slow  # two subprocesses that import Lightning
+def test_warnings_from_a_console_script_carry_no_launcher_noise(tmp_path):
+    """Issue 24: the demo's warnings were prefixed with the console script's venv path and its
+    ``sys.exit(main())`` line. From a console script (a file in the environment's scripts folder)
+    a warning is one line at ``hdi-monitor:0``; from a user's script it points at the user's line."""
+    import sysconfig
+
+    launcher = str(Path(sysconfig.get_path("scripts")) / "hdi-monitor")
+    err = _stderr_of(launcher, tmp_path)
+    lines = [line for line in err.splitlines() if "takes scalars only" in line]
+    assert len(lines) == 1 and lines[0].startswith("hdi-monitor:0: MonitoringWarning: hdi-monitor: CSVLogger")
+    assert launcher not in err and "sinks_for_loggers([CSVLogger" not in err  # no path, no source line
+
+    user = str(tmp_path / "train.py")
+    err = _stderr_of(user, tmp_path)
+    assert f"{user}:6: MonitoringWarning: hdi-monitor: CSVLogger takes scalars only" in err

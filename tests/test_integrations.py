@@ -16,7 +16,7 @@ from conftest import read_events, scalar_series
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from hdi_monitor import HDITracker, SaturationDetector, head_diversity
+from hdi_monitor import DiversityWarning, HDITracker, SaturationDetector, head_diversity
 
 PROJECTIONS = ("query", "key", "value", "output")
 ROOT = Path(__file__).resolve().parents[1]
@@ -335,6 +335,31 @@ def test_hf_gpt2_log_dir_and_every_step(tmp_path):
 
 
 @needs_hf
+def test_hf_default_tensorboard_report_is_one_run_with_the_loss(tmp_path):
+    """Issue 24: with the Trainer's ``report_to="tensorboard"`` and no writer given, the loss and the
+    HDI are written by one writer into one run (one event file in one folder), on one step axis."""
+    from hdi_monitor.integrations import HDITrainerCallback
+
+    model = tiny_bert()
+    monitor = HDITrainerCallback(every_n_steps=2, projections=("key",), activations=False, detector=None, strict=True)
+    args = training_args(tmp_path, max_steps=4, report_to="tensorboard")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=MaskedDataset(), callbacks=[monitor])
+    trainer.train()
+    files = list((tmp_path / "out").rglob("events.out.tfevents.*"))
+    assert len(files) == 1, files  # one writer, one run
+    accs = read_events(files[0].parent)
+    assert sorted(scalar_series(accs, "train/loss")) == [1, 2, 3, 4]
+    reference = head_diversity(model)  # lr = 0: every update sees these weights
+    for layer in reference.layers:
+        series = scalar_series(accs, f"hdi/key/{layer.name}")
+        assert sorted(series) == [0, 2, 4]
+        assert all(v == pytest.approx(layer.hdi["key"], rel=1e-6) for v in series.values())
+    # a second train() on the same Trainer gets the Trainer's new writer, in the same run folder
+    trainer.train()
+    assert {f.parent for f in (tmp_path / "out").rglob("events.out.tfevents.*")} == {files[0].parent}
+
+
+@needs_hf
 def test_hf_callback_arguments_are_checked(tmp_path):
     from hdi_monitor.integrations import HDITrainerCallback
 
@@ -356,7 +381,7 @@ def test_hf_callback_without_transformers_says_how_to_install(monkeypatch):
     import hdi_monitor.integrations as integrations
 
     monkeypatch.delitem(integrations.__dict__, "HDITrainerCallback", raising=False)
-    with pytest.raises(ImportError, match=r"pip install 'hdi-monitor\[hf\]'"):
+    with pytest.raises(ImportError, match=r"from a checkout of hdi-monitor, pip install -e '\.\[hf\]'"):
         integrations.HDITrainerCallback  # noqa: B018
     assert integrations.HDITracker is HDITracker  # the plain-loop API needs no transformers
 
@@ -405,7 +430,9 @@ def test_example_hf_trainer_runs(tmp_path, capsys):
         ["--out", str(tmp_path), "--steps", "4", "--every", "2", "--images-every", "2", "--grad-accum", "2"]
     )
     assert [h["step"] for h in monitor.history] == [0, 2, 4]
-    accs = read_events(tmp_path)
+    runs = {f.parent for f in tmp_path.rglob("events.out.tfevents.*")}
+    assert len(runs) == 1  # one TensorBoard run: the Trainer's loss and the HDI
+    accs = read_events(runs.pop())
     assert sorted(scalar_series(accs, "hdi/key/transformer.h.0.attn")) == [0, 2, 4]
     assert sorted(scalar_series(accs, "train/loss")) == [2, 4]  # logging_steps=every: the same steps
 
@@ -435,12 +462,12 @@ def test_hf_resume_from_checkpoint_restores_history_and_detector(tmp_path):
         return trainer
 
     whole = callback()
-    with pytest.warns(UserWarning):
+    with pytest.warns(DiversityWarning, match="saturation"):
         run("whole", whole)
     assert [h["step"] for h in whole.history] == [0, 1, 2, 3, 4, 5, 6]
     assert any(e.kind == "saturation" for e in whole.tracker.events)  # lr = 0: flat, fires at step 3
 
-    with pytest.warns(UserWarning):
+    with pytest.warns(DiversityWarning, match="saturation"):
         run("split", callback(), max_steps=6)
     checkpoint = tmp_path / "split" / "out" / "checkpoint-3"
     assert (checkpoint / "trainer_state.json").is_file()

@@ -30,20 +30,11 @@ BAD = [
 CALLBACK_BAD = [
     ({"detector": "off"}, TypeError, "detector must be a SaturationDetector, 'default' or None, got str 'off'"),
     ({"activation_detector": 0.9}, TypeError, "activation_detector must be a SaturationDetector, 'default' or None"),
-    # the former loose detector arguments: a TypeError that names the settings and the detector
-    (
-        {"patience": 5},
-        TypeError,
-        r"'patience'.*the settings are every_n_steps, projections, .*max_histogram_layers; "
-        r"patience configure the detector: pass detector=SaturationDetector\(patience=...\)",
-    ),
-    ({"early_warning": False}, TypeError, "early_warning=False is detector=None"),
-    (
-        {"every_n_step": 5},
-        TypeError,
-        r"unexpected keyword argument\(s\) 'every_n_step'; the settings are every_n_steps,",
-    ),
-    ({"config": {"every_n_steps": 5}}, TypeError, "config must be a MonitorConfig or None, got dict"),
+    # every setting is a named parameter: a misspelt or former argument is Python's own TypeError
+    ({"patience": 5}, TypeError, "unexpected keyword argument 'patience'"),
+    ({"early_warning": False}, TypeError, "unexpected keyword argument 'early_warning'"),
+    ({"every_n_step": 5}, TypeError, "unexpected keyword argument 'every_n_step'"),
+    ({"config": {"every_n_steps": 5}}, TypeError, "unexpected keyword argument 'config'"),
 ]
 
 
@@ -163,9 +154,12 @@ def test_one_settings_object_shared_by_the_tracker_and_both_callbacks():
     with pytest.raises(dataclasses.FrozenInstanceError):
         base.every_n_steps = 3  # type: ignore[misc]
     expected = dataclasses.replace(base, max_tokens=16)
-    assert HDIMonitor(base, max_tokens=16).config == expected
+    assert HDIMonitor.from_config(expected).config == expected
     assert HDIMonitor(every_n_steps=7, projections=("key",), layers=["a"], max_tokens=16).config == expected
-    assert HDITrainerCallback(base, max_tokens=16).config == expected
+    assert HDITrainerCallback.from_config(expected).config == expected
+    assert HDITrainerCallback(7, projections=["key"], layers=("a",), max_tokens=16).config == expected
+    with pytest.raises(TypeError, match="HDIMonitor.from_config"):
+        HDIMonitor(base)  # type: ignore[arg-type]
     tracker = HDITracker(nn.MultiheadAttention(8, 2), base, max_tokens=16)
     assert tracker.config == expected
     assert (tracker.every_n_steps, tracker.max_tokens, tracker.log_images_every_n_steps) == (7, 16, 70)
@@ -210,3 +204,62 @@ def test_config_takes_a_list_of_specs_and_the_dashboard_settings():
     assert (dash.loss_tag, dash.max_image_layers, dash.max_histogram_layers) == ("train/loss", 3, 2)
     layout = dash.layout({"key": ["x"]}, activations=False)
     assert r"^train/loss$" in str(layout)
+
+
+def _args_docs(cls) -> dict[str, str]:
+    """Parameter -> its description in the Google-style ``Args`` section, parsed by griffe (the
+    parser that renders the API pages)."""
+    import inspect
+
+    from griffe import Docstring, DocstringSectionKind
+
+    sections = Docstring(inspect.getdoc(cls) or "", parser="google").parse()
+    params = [s for s in sections if s.kind is DocstringSectionKind.parameters]
+    assert len(params) == 1, f"{cls.__name__} has no Args section"
+    return {p.name: " ".join(p.description.split()) for p in params[0].value}
+
+
+@pytest.mark.parametrize("cls", [HDIMonitor, HDITrainerCallback])
+def test_callback_signatures_name_every_setting_with_its_default_and_doc(cls):
+    """Issue 24: every `MonitorConfig` field is a named, typed parameter of the callback (visible to
+    IDEs, ``help()``, the API pages and LightningCLI), with the config's default and, word for
+    word, the config's documentation. A field added to `MonitorConfig` fails here until both
+    callbacks name it."""
+    import dataclasses
+    import inspect
+
+    from hdi_monitor import MonitorConfig
+
+    params = inspect.signature(cls).parameters
+    assert not [p for p in params.values() if p.kind is inspect.Parameter.VAR_KEYWORD], "no **kwargs"
+    config_docs, own_docs = _args_docs(MonitorConfig), _args_docs(cls)
+    for f in dataclasses.fields(MonitorConfig):
+        assert f.name in params, f"{cls.__name__} does not name the setting {f.name!r}"
+        param = params[f.name]
+        assert param.annotation is not inspect.Parameter.empty, f.name
+        assert param.default == f.default, f.name
+        assert own_docs.get(f.name) == config_docs[f.name], f"{cls.__name__} documents {f.name!r} differently"
+    for name in params:  # the other parameters are documented too
+        assert name in own_docs, f"{cls.__name__} does not document {name!r}"
+    # the defaults build the default config
+    assert cls().config == MonitorConfig()
+
+
+def test_lightning_cli_sees_every_setting():
+    """LightningCLI (jsonargparse) reads the callback's settings from its signature: each field is a
+    command-line option with its default."""
+    import dataclasses
+
+    pytest.importorskip("jsonargparse")
+    from jsonargparse import ArgumentParser
+
+    from hdi_monitor import MonitorConfig
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(HDIMonitor, "monitor")
+    defaults = parser.get_defaults().monitor
+    for f in dataclasses.fields(MonitorConfig):
+        assert f.name in defaults, f.name
+    parsed = parser.parse_args(["--monitor.every_n_steps=7", "--monitor.projections=[key, value]"])
+    monitor = HDIMonitor(**vars(parsed.monitor))
+    assert monitor.config.every_n_steps == 7 and monitor.config.projections == ("key", "value")

@@ -63,10 +63,12 @@ def ablate_heads(
         ValueError: an unknown layer name, an out-of-range head, an unknown mode, or
             ``mode="mean"`` without a mean for an ablated layer.
 
-    Example::
+    Example:
 
-        with ablate_heads(model, {"encoder.layer.0.attention": [3, 7]}):
-            out = model(**batch)
+    ```python
+    with ablate_heads(model, {"encoder.layer.0.attention": [3, 7]}):
+        out = model(**batch)
+    ```
     """
     if mode not in ("zero", "mean"):
         raise ValueError(f"mode must be 'zero' or 'mean', got {mode!r}")

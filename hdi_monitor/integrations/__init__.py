@@ -1,17 +1,21 @@
-"""Integrations beyond Lightning: plain PyTorch loops and the Hugging Face ``Trainer``.
+"""Integrations: the Lightning callback, the Hugging Face ``Trainer`` callback, logger sinks.
 
-* Plain loop: `HDITracker` itself is the API (re-exported here)::
+* Lightning: `hdi_monitor.integrations.lightning.HDIMonitor` (also ``from hdi_monitor import
+  HDIMonitor``).
+* Hugging Face ``Trainer``: `HDITrainerCallback` (needs ``transformers``; imported on first use,
+  so this package imports without it).
+* Logger sinks for W&B, MLflow and Comet: `hdi_monitor.integrations.loggers`.
+* Plain loop: `HDITracker` itself is the API (re-exported here):
 
-      tracker = HDITracker(model, every_n_steps=100, writer=SummaryWriter("runs/x"))
-      for batch in loader:
-          with tracker.capture(batch):          # head outputs of this forward pass, if measured
-              loss = loss_fn(model(batch))
-          loss.backward()
-          tracker.step()                        # finish the measured step, advance the step
-          optimizer.step(); optimizer.zero_grad()
-
-* Hugging Face ``Trainer``: `HDITrainerCallback`
-  (needs ``transformers``; imported on first use, so this package imports without it).
+```python
+tracker = HDITracker(model, every_n_steps=100, writer=SummaryWriter("runs/x"))
+for batch in loader:
+    with tracker.capture(batch):          # head outputs of this forward pass, if measured
+        loss = loss_fn(model(batch))
+    loss.backward()
+    tracker.step()                        # finish the measured step, advance the step
+    optimizer.step(); optimizer.zero_grad()
+```
 """
 
 from __future__ import annotations

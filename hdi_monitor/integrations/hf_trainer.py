@@ -1,10 +1,14 @@
 """``HDITrainerCallback``: head-diversity monitoring for the Hugging Face ``transformers.Trainer``.
 
-A thin shell over `HDITracker`, like the Lightning callback. It needs
-``transformers`` (``pip install 'hdi-monitor[hf]'``)::
+A thin shell over `HDITracker`, like the Lightning callback. It needs ``transformers``: from a
+checkout, ``pip install -e '.[hf]'``.
 
-    from hdi_monitor.integrations import HDITrainerCallback
-    trainer = Trainer(model, args, train_dataset=ds, callbacks=[HDITrainerCallback(every_n_steps=100)])
+```python
+from hdi_monitor import HDITrainerCallback
+
+args = TrainingArguments("out", report_to="tensorboard", logging_steps=100)
+trainer = Trainer(model, args, train_dataset=ds, callbacks=[HDITrainerCallback(every_n_steps=100)])
+```
 
 **Step axis.** The Trainer logs the loss of its ``k``-th optimizer update (``k = 1, 2, ...``) at
 ``state.global_step == k``: the step counter is incremented after ``optimizer.step()`` and before
@@ -23,13 +27,13 @@ backward (gradient checkpointing) is not counted twice, and evaluation passes be
 not captured. All hooks come off in ``on_train_end`` (or with `HDITrainerCallback.close`
 after a training run that raised).
 
-**Where it writes.** To ``writer`` if given: pass the same ``SummaryWriter`` to the Trainer's
-``TensorBoardCallback(writer)`` (with ``report_to=[]``) to get one event stream with the loss.
-Otherwise to a new ``SummaryWriter`` in ``log_dir``, which defaults to ``args.logging_dir`` where the
-installed transformers has it (4.x), else ``$TENSORBOARD_LOGGING_DIR`` (the directory the
-Trainer's own TensorBoard writer uses when set), else ``<output_dir>/runs/<date>_<host>_hdi``.
-Only the main process writes; under ``torch.distributed`` every process measures (activation
-statistics are summed across processes).
+**Where it writes.** To ``writer`` if given. Otherwise, with ``report_to="tensorboard"``, to the
+Trainer's own TensorBoard writer (that of its ``TensorBoardCallback``), so the loss and the HDI are
+one run in TensorBoard. Without a TensorBoard callback, to a new ``SummaryWriter`` in ``log_dir``,
+which defaults to ``args.logging_dir`` where the installed transformers has it (4.x), else
+``$TENSORBOARD_LOGGING_DIR``, else ``<output_dir>/runs/<date>_<host>_hdi``. Only the main process
+writes; under ``torch.distributed`` every process measures (activation statistics are summed across
+processes).
 
 **Resume.** The callback is a transformers ``ExportableState`` (like ``EarlyStoppingCallback``):
 each checkpoint's ``trainer_state.json`` holds its history, events, early-warning detector and
@@ -53,23 +57,28 @@ import copy
 import json
 import os
 import socket
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from datetime import datetime
+from types import FrameType
 from typing import Any
 
 from torch import nn
 
 from hdi_monitor._validation import check_bool
-from hdi_monitor.monitor.config import DetectorArg, MonitorConfig, check_detector
+from hdi_monitor.functional.diversity import Weighting
+from hdi_monitor.models.spec import AttentionSpec
+from hdi_monitor.monitor.config import DEFAULTS, DetectorArg, EventAction, MonitorConfig, check_detector
 from hdi_monitor.monitor.tracker import HDITracker, Measurement
+from hdi_monitor.report import Projection
 
 try:
     from transformers import TrainerCallback
     from transformers.trainer_callback import ExportableState
 except ImportError as _err:  # pragma: no cover - exercised only without transformers
     raise ImportError(
-        "HDITrainerCallback needs the transformers package, which is not installed: "
-        "pip install 'hdi-monitor[hf]' (or pip install transformers)"
+        "HDITrainerCallback needs the transformers package, which is not installed: from a checkout of "
+        "hdi-monitor, pip install -e '.[hf]' (or pip install transformers accelerate)"
     ) from _err
 
 __all__ = ["HDITrainerCallback"]
@@ -86,6 +95,43 @@ def _default_log_dir(args: Any) -> str:
     return os.path.join(str(args.output_dir), "runs", f"{stamp}_{socket.gethostname()}_hdi")
 
 
+def _trainer_tensorboard_writer(args: Any) -> Any:
+    """The ``SummaryWriter`` of the running Trainer's ``TensorBoardCallback`` (``report_to=
+    "tensorboard"``), or None when it has none.
+
+    A ``TrainerCallback`` is not given the Trainer; the callback list is found on the caller's
+    stack (``CallbackHandler.call_event``, which is calling ``on_train_begin``). The Trainer's
+    callbacks run in order and its ``TensorBoardCallback`` comes before user callbacks, so its writer
+    exists; if it has none yet, one is made in the directory it would use and handed to it, so both
+    callbacks write one event stream."""
+    from transformers.integrations import TensorBoardCallback
+    from transformers.trainer_callback import CallbackHandler
+
+    frame: FrameType | None = sys._getframe(1)
+    handler = None
+    for _ in range(8):  # on_train_begin <- call_event <- on_train_begin (handler) <- Trainer
+        if frame is None:
+            break
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, CallbackHandler):
+            handler = candidate
+            break
+        frame = frame.f_back
+    del frame
+    if handler is None:
+        return None
+    board = next((cb for cb in handler.callbacks if isinstance(cb, TensorBoardCallback)), None)
+    if board is None:
+        return None
+    if board.tb_writer is None:
+        from transformers.integrations.integration_utils import default_logdir
+
+        if board.logging_dir is None:
+            board.logging_dir = os.path.join(str(args.output_dir), default_logdir())
+        board._init_summary_writer(args)
+    return board.tb_writer
+
+
 def _json_ready(value: Any) -> bool:
     try:
         json.dumps(value, allow_nan=False)
@@ -97,40 +143,100 @@ def _json_ready(value: Any) -> bool:
 class HDITrainerCallback(TrainerCallback, ExportableState):
     """Measure attention-head diversity every ``every_n_steps`` optimizer updates of a ``Trainer``.
 
+    Updates ``k`` with ``k % every_n_steps == 0`` are measured (``k = state.global_step`` after the
+    update, the step the Trainer logs that update's loss at).
+
     Args:
-        config: what to measure and how often (see `MonitorConfig`); updates ``k`` with
-            ``k % every_n_steps == 0`` are measured (``k = state.global_step`` after the update,
-            the step the Trainer logs that update's loss at).
+        every_n_steps: measure at optimizer steps ``0, N, 2N, ...``; nothing runs in between.
+        projections: which of ``"query"``, ``"key"``, ``"value"``, ``"output"`` to measure (all
+            four by default).
+        weighting: ``"spectral"`` (default, no SVD) or ``"uniform"`` subspace overlap.
+        layers: keep only these attention layers: a regex searched in the qualified module names,
+            or a sequence of exact names. None watches every layer.
+        spec: an `AttentionSpec`, or a list of them, for layouts no built-in family knows; specs
+            combine with the built-in families (a spec wins where both match).
+        log_images_every_n_steps: overlap/correlation heatmaps and principal-angle histograms every
+            this many steps (default ``10 * every_n_steps``; 0 turns them off).
+        activations: also capture the measured step's head outputs (covariance, effective heads).
+        max_tokens: at most this many tokens per layer per measured forward pass (a random
+            subsample drawn with the monitor's own generator); None keeps every token.
+        on_saturation: ``"warn"`` (one `DiversityWarning` per measured step with events),
+            ``"stop"`` (warn, and stop training on saturation or collapse) or a callable that
+            receives each `DiversityEvent`.
+        strict: raise internal errors instead of turning them into warnings (for tests).
+        seed: seed of the monitor's own ``torch.Generator`` (the token subsample). The global
+            generators are never drawn from, so training is bit-identical with and without the
+            monitor; the generator state is saved with the monitor's state for resume.
+        loss_tag: the scalar tag of the training loss charted beside the HDI in the Custom
+            Scalars tab (e.g. ``"train_loss"``); None charts every tag whose last word is ``loss``,
+            except validation, evaluation and test losses (``val_loss``, ``eval/loss``).
+        max_image_layers: at most this many layers per tiled overlap/correlation image (with more,
+            the layers whose HDI moved most since the last image step).
+        max_histogram_layers: layers with a principal-angle histogram of their own; with more,
+            adjacent layers are grouped into this many histograms.
         detector: the early-warning detector of the HDI series: a configured
             `SaturationDetector`, ``"default"`` (``SaturationDetector()``) or None (off). Each
             ``trainer.train()`` gets an untouched copy.
         activation_detector: the detector of the effective-heads series; ``"default"`` derives
             it from ``detector`` (thresholds in heads), off when ``detector`` is None.
         measure_at_start: also measure the initial weights at step 0 (weights only).
-        writer: a ``SummaryWriter`` to write to (share it with ``TensorBoardCallback(writer)``).
-        log_dir: where to create a ``SummaryWriter`` when ``writer`` is None (see the module doc).
-        **fields: `MonitorConfig` fields, applied over ``config``
-            (``HDITrainerCallback(every_n_steps=50, max_tokens=256)``). With
-            ``on_saturation="stop"``, ``control.should_training_stop`` is set on saturation or
-            collapse.
+        writer: a ``SummaryWriter`` to write to; by default the Trainer's TensorBoard writer.
+        log_dir: where to create a ``SummaryWriter`` when ``writer`` is None and the Trainer has
+            no TensorBoard callback (see the module doc).
+
+    With ``on_saturation="stop"``, ``control.should_training_stop`` is set on saturation or
+    collapse. The defaults are those of `MonitorConfig`; a finished one is passed with
+    `HDITrainerCallback.from_config`.
 
     Raises:
-        TypeError: an unknown keyword (the message names the valid fields) or a wrong type.
+        TypeError: a wrong type.
         ValueError: a bad setting.
     """
 
     def __init__(
         self,
-        config: MonitorConfig | None = None,
+        every_n_steps: int = DEFAULTS.every_n_steps,
         *,
+        projections: Sequence[Projection] = DEFAULTS.projections,
+        weighting: Weighting = DEFAULTS.weighting,
+        layers: str | Sequence[str] | None = DEFAULTS.layers,
+        spec: AttentionSpec | Sequence[AttentionSpec] | None = None,
+        log_images_every_n_steps: int | None = DEFAULTS.log_images_every_n_steps,
+        activations: bool = DEFAULTS.activations,
+        max_tokens: int | None = DEFAULTS.max_tokens,
+        on_saturation: EventAction = DEFAULTS.on_saturation,
+        strict: bool = DEFAULTS.strict,
+        seed: int = DEFAULTS.seed,
+        loss_tag: str | None = DEFAULTS.loss_tag,
+        max_image_layers: int = DEFAULTS.max_image_layers,
+        max_histogram_layers: int = DEFAULTS.max_histogram_layers,
         detector: DetectorArg = "default",
         activation_detector: DetectorArg = "default",
         measure_at_start: bool = True,
         writer: Any = None,
         log_dir: str | os.PathLike[str] | None = None,
-        **fields: Any,
     ) -> None:
-        self.config = MonitorConfig.build(config, fields, owner="HDITrainerCallback")
+        if isinstance(every_n_steps, MonitorConfig):
+            raise TypeError(
+                "HDITrainerCallback takes its settings as arguments; pass a MonitorConfig with "
+                "HDITrainerCallback.from_config"
+            )
+        self.config = MonitorConfig(
+            every_n_steps=every_n_steps,
+            projections=tuple(projections) if isinstance(projections, list) else projections,  # type: ignore[arg-type]
+            weighting=weighting,
+            layers=tuple(layers) if isinstance(layers, list) else layers,  # type: ignore[arg-type]
+            spec=tuple(spec) if isinstance(spec, list) else spec,  # type: ignore[arg-type]
+            log_images_every_n_steps=log_images_every_n_steps,
+            activations=activations,
+            max_tokens=max_tokens,
+            on_saturation=on_saturation,
+            strict=strict,
+            seed=seed,
+            loss_tag=loss_tag,
+            max_image_layers=max_image_layers,
+            max_histogram_layers=max_histogram_layers,
+        )
         self.detector = check_detector("detector", detector)
         self.activation_detector = check_detector("activation_detector", activation_detector)
         check_bool("measure_at_start", measure_at_start)
@@ -160,6 +266,14 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
         self._root_handles: list[Any] = []
         self._measuring: int | None = None  # the step whose forward passes are being captured
         self._restored_state: dict[str, Any] | None = None  # from a checkpoint, applied in on_train_begin
+
+    @classmethod
+    def from_config(cls, config: MonitorConfig, **kwargs: Any) -> HDITrainerCallback:
+        """An `HDITrainerCallback` with the settings of a finished `MonitorConfig`; ``kwargs`` are
+        the constructor's other arguments (``detector``, ``writer``, ...)."""
+        if not isinstance(config, MonitorConfig):
+            raise TypeError(f"config must be a MonitorConfig, got {type(config).__name__}")
+        return cls(**config.to_dict(), **kwargs)
 
     # ------------------------------------------------------------------ checkpoint state
     def state(self) -> dict[str, Any]:
@@ -201,6 +315,8 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
             tracker.load_state_dict(restored)
         self._restored_state = None
         writer = self.writer
+        if writer is None and self.log_dir is None and state.is_world_process_zero:
+            writer = _trainer_tensorboard_writer(args)  # one run with the Trainer's loss
         if writer is None and state.is_world_process_zero:
             from torch.utils.tensorboard import SummaryWriter
 

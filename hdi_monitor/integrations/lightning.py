@@ -14,36 +14,105 @@ when the head outputs are captured, so the optimizer step cannot change them.
 from __future__ import annotations
 
 import copy
+import math
 import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
+from hdi_monitor.functional.diversity import Weighting
+from hdi_monitor.integrations.loggers import sinks_for_loggers
 from hdi_monitor.models.sharding import contains_fsdp1
-from hdi_monitor.monitor.config import DetectorArg, MonitorConfig, check_detector
-from hdi_monitor.monitor.sinks import LoggerSink, Sink, TensorBoardSink
+from hdi_monitor.models.spec import AttentionSpec
+from hdi_monitor.monitor.config import DEFAULTS, DetectorArg, EventAction, MonitorConfig, check_detector
 from hdi_monitor.monitor.tracker import HDITracker, Measurement
+from hdi_monitor.report import Projection
 
-__all__ = ["HDIMonitor"]
+__all__ = ["HDIMonitor", "published_metrics"]
+
+
+def published_metrics(scalars: Mapping[str, float]) -> dict[str, float]:
+    """The scalars of a measurement that `HDIMonitor` also puts in ``trainer.callback_metrics``,
+    under their logged names: the model-mean HDI per projection (``hdi/<projection>/mean``), the
+    mean effective heads (``effective_heads/mean``) and the event counts
+    (``diversity_events/<kind>``). Non-finite values are left out."""
+    out: dict[str, float] = {}
+    for tag, value in scalars.items():
+        parts = tag.split("/")
+        wanted = (
+            (len(parts) == 3 and parts[0] == "hdi" and parts[2] == "mean")
+            or tag == "effective_heads/mean"
+            or (len(parts) == 2 and parts[0] == "diversity_events")
+        )
+        if wanted and math.isfinite(float(value)):
+            out[tag] = float(value)
+    return out
 
 
 class HDIMonitor(Callback):
     """Measure attention-head diversity every ``every_n_steps`` optimizer steps and log it.
 
-    Quick start::
+    Quick start:
 
-        from hdi_monitor import HDIMonitor, SaturationDetector
-        trainer = L.Trainer(callbacks=[HDIMonitor(every_n_steps=100)], logger=TensorBoardLogger("runs"))
-        # early-warning settings live on the detector (Lightning's EarlyStopping vocabulary)
-        HDIMonitor(every_n_steps=100, detector=SaturationDetector(patience=5, warmup_steps=500))
+    ```python
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import EarlyStopping
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from hdi_monitor import HDIMonitor, SaturationDetector
+
+    trainer = L.Trainer(callbacks=[HDIMonitor(every_n_steps=100)], logger=TensorBoardLogger("runs"))
+    # early-warning settings live on the detector (Lightning's EarlyStopping vocabulary)
+    HDIMonitor(every_n_steps=100, detector=SaturationDetector(patience=5, warmup_steps=500))
+    # the model-mean HDI is in trainer.callback_metrics: stock callbacks can watch it
+    EarlyStopping(monitor="hdi/key/mean", mode="max", patience=5)
+    ```
+
+    Where it writes: to every logger of the Trainer. TensorBoard, Weights & Biases, MLflow and
+    Comet loggers get the scalars, heatmaps, histograms and event texts (see
+    `hdi_monitor.integrations.loggers`); other loggers (CSV, ...) get the scalars, with a one-time
+    note that the pictures go elsewhere.
+
+    ``trainer.callback_metrics``: on every measured step the model-mean HDI per projection
+    (``hdi/<projection>/mean``), the mean effective heads (``effective_heads/mean``) and the event
+    counts (``diversity_events/<kind>``) are put there under their logged names (see
+    `published_metrics`), on every rank, so ``EarlyStopping(monitor="hdi/key/mean", mode="max")``
+    and ``ModelCheckpoint(monitor="hdi/key/mean", mode="max")`` work on them; between measured
+    steps they keep the last measured value.
 
     Args:
-        config: what to measure and how often (see `MonitorConfig`); default ``MonitorConfig()``.
+        every_n_steps: measure at optimizer steps ``0, N, 2N, ...``; nothing runs in between.
+        projections: which of ``"query"``, ``"key"``, ``"value"``, ``"output"`` to measure (all
+            four by default).
+        weighting: ``"spectral"`` (default, no SVD) or ``"uniform"`` subspace overlap.
+        layers: keep only these attention layers: a regex searched in the qualified module names,
+            or a sequence of exact names. None watches every layer.
+        spec: an `AttentionSpec`, or a list of them, for layouts no built-in family knows; specs
+            combine with the built-in families (a spec wins where both match).
+        log_images_every_n_steps: overlap/correlation heatmaps and principal-angle histograms every
+            this many steps (default ``10 * every_n_steps``; 0 turns them off).
+        activations: also capture the measured step's head outputs (covariance, effective heads).
+        max_tokens: at most this many tokens per layer per measured forward pass (a random
+            subsample drawn with the monitor's own generator); None keeps every token.
+        on_saturation: ``"warn"`` (one `DiversityWarning` per measured step with events),
+            ``"stop"`` (warn, and stop training on saturation or collapse) or a callable that
+            receives each `DiversityEvent`.
+        strict: raise internal errors instead of turning them into warnings (for tests).
+        seed: seed of the monitor's own ``torch.Generator`` (the token subsample). The global
+            generators are never drawn from, so training is bit-identical with and without the
+            monitor; the generator state is saved with the monitor's state for resume.
+        loss_tag: the scalar tag of the training loss charted beside the HDI in the Custom
+            Scalars tab (e.g. ``"train_loss"``); None charts every tag whose last word is ``loss``,
+            except validation, evaluation and test losses (``val_loss``, ``eval/loss``).
+        max_image_layers: at most this many layers per tiled overlap/correlation image (with more,
+            the layers whose HDI moved most since the last image step).
+        max_histogram_layers: layers with a principal-angle histogram of their own; with more,
+            adjacent layers are grouped into this many histograms.
         detector: the early-warning detector of the HDI series (saturation, collapse, redundant
             pairs): a configured `SaturationDetector`, ``"default"`` (``SaturationDetector()``:
             ``patience=10``, ``min_delta=0.002``, ``warmup_steps=1000``, ``collapse_delta=0.05``,
@@ -55,18 +124,13 @@ class HDIMonitor(Callback):
             (``hdi_monitor.monitor.config.ACTIVATION_MIN_DELTA``, ``ACTIVATION_COLLAPSE_DELTA``),
             and is off when ``detector`` is None.
         state_key: tells two monitors apart in a checkpoint.
-        **fields: `MonitorConfig` fields, applied over ``config`` (``every_n_steps``,
-            ``projections``, ``weighting``, ``layers``, ``spec``, ``log_images_every_n_steps``,
-            ``activations``, ``max_tokens``, ``on_saturation``, ``strict``, ``seed``):
-            ``HDIMonitor(every_n_steps=50)`` is ``HDIMonitor(MonitorConfig(every_n_steps=50))``.
-            With ``on_saturation="stop"`` training stops on saturation or collapse (every rank
-            agrees through the strategy's boolean reduction).
 
-    Every argument is checked here; an unknown keyword raises TypeError naming the valid fields.
-    What needs the model is checked in ``setup``, before the first step: a model without a
-    recognised attention layer, or a ``layers`` filter that matches none, raises a ``ValueError``
-    naming the model's modules (training has not started, so nothing is lost). Only failures
-    during training become warnings.
+    The defaults are those of `MonitorConfig` (`hdi_monitor.monitor.config.DEFAULTS`); a finished
+    `MonitorConfig` is passed with `HDIMonitor.from_config`. Every argument is checked here. What
+    needs the model is checked in ``setup``, before the first step: a model without a recognised
+    attention layer, or a ``layers`` filter that matches none, raises a ``ValueError`` naming the
+    model's modules (training has not started, so nothing is lost). Only failures during
+    training become warnings.
 
     State: ``trainer.fit`` called again on the same Trainer continues the history and the
     early-warning detector (the step axis keeps increasing, as Lightning's does); a new Trainer
@@ -75,23 +139,49 @@ class HDIMonitor(Callback):
 
     def __init__(
         self,
-        config: MonitorConfig | None = None,
+        every_n_steps: int = DEFAULTS.every_n_steps,
         *,
+        projections: Sequence[Projection] = DEFAULTS.projections,
+        weighting: Weighting = DEFAULTS.weighting,
+        layers: str | Sequence[str] | None = DEFAULTS.layers,
+        spec: AttentionSpec | Sequence[AttentionSpec] | None = None,
+        log_images_every_n_steps: int | None = DEFAULTS.log_images_every_n_steps,
+        activations: bool = DEFAULTS.activations,
+        max_tokens: int | None = DEFAULTS.max_tokens,
+        on_saturation: EventAction = DEFAULTS.on_saturation,
+        strict: bool = DEFAULTS.strict,
+        seed: int = DEFAULTS.seed,
+        loss_tag: str | None = DEFAULTS.loss_tag,
+        max_image_layers: int = DEFAULTS.max_image_layers,
+        max_histogram_layers: int = DEFAULTS.max_histogram_layers,
         detector: DetectorArg = "default",
         activation_detector: DetectorArg = "default",
         state_key: str | None = None,
-        **fields: Any,
     ) -> None:
         super().__init__()
+        if isinstance(every_n_steps, MonitorConfig):
+            raise TypeError(
+                "HDIMonitor takes its settings as arguments; pass a MonitorConfig with HDIMonitor.from_config"
+            )
         if state_key is not None and not isinstance(state_key, str):
             raise TypeError(f"state_key must be a string, got {type(state_key).__name__}")
-        if config is None:
-            # a literal MonitorConfig(**fields) call: LightningCLI (jsonargparse) reads the fields that
-            # **fields accepts from it, so YAML can give them as init_args of HDIMonitor
-            MonitorConfig.check_fields(fields, owner="HDIMonitor")
-            config = MonitorConfig(**fields)
-            fields = {}
-        self.config = MonitorConfig.build(config, fields, owner="HDIMonitor")
+        # a literal MonitorConfig call naming every field (checked there, once)
+        self.config = MonitorConfig(
+            every_n_steps=every_n_steps,
+            projections=tuple(projections) if isinstance(projections, list) else projections,  # type: ignore[arg-type]
+            weighting=weighting,
+            layers=tuple(layers) if isinstance(layers, list) else layers,  # type: ignore[arg-type]
+            spec=tuple(spec) if isinstance(spec, list) else spec,  # type: ignore[arg-type]
+            log_images_every_n_steps=log_images_every_n_steps,
+            activations=activations,
+            max_tokens=max_tokens,
+            on_saturation=on_saturation,
+            strict=strict,
+            seed=seed,
+            loss_tag=loss_tag,
+            max_image_layers=max_image_layers,
+            max_histogram_layers=max_histogram_layers,
+        )
         self.detector = check_detector("detector", detector)
         self.activation_detector = check_detector("activation_detector", activation_detector)
         self.every_n_steps = self.config.every_n_steps
@@ -102,6 +192,21 @@ class HDIMonitor(Callback):
         self.tracker: HDITracker | None = None
         self._restored: dict[str, Any] | None = None
         self._trainer: weakref.ref[pl.Trainer] | None = None  # the Trainer the tracker belongs to
+
+    @classmethod
+    def from_config(
+        cls,
+        config: MonitorConfig,
+        *,
+        detector: DetectorArg = "default",
+        activation_detector: DetectorArg = "default",
+        state_key: str | None = None,
+    ) -> HDIMonitor:
+        """An `HDIMonitor` with the settings of a finished `MonitorConfig` (e.g. one shared with
+        an `HDITracker`); the other arguments are those of the constructor."""
+        if not isinstance(config, MonitorConfig):
+            raise TypeError(f"config must be a MonitorConfig, got {type(config).__name__}")
+        return cls(**config.to_dict(), detector=detector, activation_detector=activation_detector, state_key=state_key)
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -122,13 +227,9 @@ class HDIMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        sinks: list[Sink] = []
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                if isinstance(logger, TensorBoardLogger):
-                    sinks.append(TensorBoardSink(logger.experiment))
-                else:
-                    sinks.append(LoggerSink(logger))
+        # one sink per logger (TensorBoard, W&B, MLflow and Comet take pictures too; the others
+        # scalars only, with a note); only rank 0 writes
+        sinks = sinks_for_loggers(trainer.loggers) if trainer.is_global_zero else []
         if not trainer.loggers:
             rank_zero_warn(
                 "HDIMonitor: the Trainer has no logger; measurements are kept in `HDIMonitor.history` only. "
@@ -201,7 +302,10 @@ class HDIMonitor(Callback):
     def _finish(self, trainer: pl.Trainer) -> None:
         if self.tracker is None or not self.tracker.measuring:
             return  # not a measured step (the same on every rank)
-        self.tracker.finish()
+        if self.tracker.finish() is not None and (measurement := self.tracker.last_measurement) is not None:
+            # what stock callbacks (EarlyStopping, ModelCheckpoint) read, under the logged names
+            for tag, value in published_metrics(measurement.scalars).items():
+                trainer.callback_metrics[tag] = torch.tensor(value, dtype=torch.float64)
         if self.on_saturation == "stop":
             # collective: every rank measures the same steps, so every rank reaches this call
             stop = trainer.strategy.reduce_boolean_decision(self.tracker.stop_requested, all=False)

@@ -46,18 +46,22 @@ class AttentionSpec:
     from the module (``num_heads``, ``num_attention_heads``, ``head_dim``, ...), then its ``config``,
     then the model's ``config``, and checked against the weights' shapes.
 
-    Example, separate projections (a block with ``wq, wk, wv, wo`` ``nn.Linear`` layers)::
+    Example, separate projections (a block with ``wq, wk, wv, wo`` ``nn.Linear`` layers):
 
-        spec = AttentionSpec(
-            modules=r"^blocks\\.\\d+\\.attn$",    # regex, re.search on the qualified module name
-            query="wq", key="wk", value="wv", output="wo",
-            num_heads=8, num_kv_heads=2,         # or leave them out to read them from the module
-        )
-        report = head_diversity(model, spec=spec)
+    ```python
+    spec = AttentionSpec(
+        modules=r"^blocks\\.\\d+\\.attn$",    # regex, re.search on the qualified module name
+        query="wq", key="wk", value="wv", output="wo",
+        num_heads=8, num_kv_heads=2,         # or leave them out to read them from the module
+    )
+    report = head_diversity(model, spec=spec)
+    ```
 
-    Example, a fused projection (its row layout must be declared: shapes cannot tell it)::
+    Example, a fused projection (its row layout must be declared: shapes cannot tell it):
 
-        AttentionSpec(modules=r"h\\.\\d+\\.attn", qkv="qkv", qkv_layout="interleaved", output="proj")
+    ```python
+    AttentionSpec(modules=r"h\\.\\d+\\.attn", qkv="qkv", qkv_layout="interleaved", output="proj")
+    ```
 
     Args:
         modules: which modules are attention layers: a regex searched in the qualified module name

@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import os
 import sys
+import sysconfig
 import warnings
 from collections.abc import Sequence
 from types import FrameType
@@ -40,11 +41,36 @@ def _internal() -> tuple[str, ...]:
     return _internal_prefixes
 
 
+_launcher_dirs: set[str] | None = None
+
+#: Where a warning with no user code to point at is attributed (``hdi-monitor:0: ...``).
+NO_USER_CODE = "hdi-monitor"
+
+
+def _is_launcher(frame: FrameType) -> bool:
+    """True for frames that start Python rather than run the user's code: ``python -m``'s runpy
+    (``<frozen runpy>``), and a console script in the environment's ``bin``/``Scripts`` folder
+    (``sys.exit(main())`` of ``hdi-monitor demo``)."""
+    global _launcher_dirs
+    filename = frame.f_code.co_filename
+    if filename.startswith("<frozen") or os.path.basename(filename) == "runpy.py":
+        return True
+    if _launcher_dirs is None:
+        dirs = {sysconfig.get_path("scripts")}
+        for prefix in {sys.prefix, sys.base_prefix, sys.exec_prefix}:
+            dirs.update({os.path.join(prefix, "bin"), os.path.join(prefix, "Scripts")})
+        _launcher_dirs = {os.path.realpath(d) for d in dirs if d}
+    return os.path.realpath(os.path.dirname(filename)) in _launcher_dirs
+
+
 def warn(message: str, category: type[Warning], *, rank_zero_only: bool = False) -> None:
     """``warnings.warn`` attributed to the first frame outside hdi-monitor, torch, Lightning and
-    transformers (the user's ``trainer.fit`` or loop line). With ``rank_zero_only`` (for what every
-    rank sees alike: events, layer changes) only rank 0 warns under torch.distributed; a failure of
-    one rank is warned on that rank."""
+    transformers (the user's ``trainer.fit`` or loop line). When that frame is a launcher (the
+    ``hdi-monitor`` console script, ``python -m``), there is no user code to point at: the warning
+    is attributed to `NO_USER_CODE` (printed as ``hdi-monitor:0: DiversityWarning: ...``, one line,
+    instead of a venv path and ``sys.exit(main())``). With ``rank_zero_only`` (for what every rank
+    sees alike: events, layer changes) only rank 0 warns under torch.distributed; a failure of one
+    rank is warned on that rank."""
     import torch.distributed as dist
 
     if rank_zero_only and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
@@ -54,6 +80,11 @@ def warn(message: str, category: type[Warning], *, rank_zero_only: bool = False)
     level = 2
     while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame, level = frame.f_back, level + 1
+    if frame is None or _is_launcher(frame):
+        del frame
+        warnings.warn_explicit(message, category, filename=NO_USER_CODE, lineno=0, module="hdi_monitor")
+        return
+    del frame
     warnings.warn(message, category, stacklevel=level)
 
 

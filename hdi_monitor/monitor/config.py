@@ -1,13 +1,18 @@
 """`MonitorConfig`: the one settings object of the tracker and the integrations.
 
-`HDITracker`, the Lightning `HDIMonitor` and the Hugging Face `HDITrainerCallback` all take a
-`MonitorConfig`, or its fields as keyword arguments (``HDIMonitor(every_n_steps=50)`` is
-``HDIMonitor(MonitorConfig(every_n_steps=50))``), so a setting is declared, defaulted, documented
-and checked here only. The early-warning detectors are not settings but stateful objects: they
-are passed beside the config as ``detector=`` / ``activation_detector=`` (see `resolve_detectors`).
+`HDITracker` takes a `MonitorConfig` (or its fields as keyword arguments). The Lightning
+`HDIMonitor` and the Hugging Face `HDITrainerCallback` name every field in their own signatures
+(typed, defaulted and documented, so IDEs, ``help()``, the API pages and LightningCLI see them) and
+build a `MonitorConfig` from them; ``HDIMonitor.from_config(config)`` takes a finished one. The
+defaults come from here only (`DEFAULTS`), and each field's documentation is written once here and
+repeated word for word in the callbacks' ``Args`` (a test compares them). The early-warning
+detectors are not settings but stateful objects: they are passed beside the config as
+``detector=`` / ``activation_detector=`` (see `resolve_detectors`).
 
 Adding a setting: add the field (with its type, default and a line in the docstring) and its
-check in `MonitorConfig.__post_init__`; the integrations forward it without naming it.
+check in `MonitorConfig.__post_init__`, then the same parameter, default ``DEFAULTS.<field>``, and
+docstring line to `HDIMonitor.__init__` and `HDITrainerCallback.__init__`;
+``tests/test_validation.py`` fails until every field is named in both signatures.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from hdi_monitor.report import Projection
 __all__ = [
     "ACTIVATION_COLLAPSE_DELTA",
     "ACTIVATION_MIN_DELTA",
+    "DEFAULTS",
     "DetectorArg",
     "EventAction",
     "MonitorConfig",
@@ -77,7 +83,8 @@ class MonitorConfig:
             generators are never drawn from, so training is bit-identical with and without the
             monitor; the generator state is saved with the monitor's state for resume.
         loss_tag: the scalar tag of the training loss charted beside the HDI in the Custom
-            Scalars tab (e.g. ``"train_loss"``); None charts every tag whose last word is ``loss``.
+            Scalars tab (e.g. ``"train_loss"``); None charts every tag whose last word is ``loss``,
+            except validation, evaluation and test losses (``val_loss``, ``eval/loss``).
         max_image_layers: at most this many layers per tiled overlap/correlation image (with more,
             the layers whose HDI moved most since the last image step).
         max_histogram_layers: layers with a principal-angle histogram of their own; with more,
@@ -232,3 +239,7 @@ def resolve_detectors(
         collapse_delta=ACTIVATION_COLLAPSE_DELTA,
     )
     return hdi, act
+
+
+#: The default settings: the one place the callbacks' signature defaults come from.
+DEFAULTS = MonitorConfig()

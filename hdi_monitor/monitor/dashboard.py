@@ -46,14 +46,18 @@ __all__ = [
 ]
 
 #: Custom Scalars regex for the training loss when no tag is given: any scalar tag whose last part
-#: is or contains a ``loss`` word (``train_loss``, ``loss``, ``train/loss``, ``train_loss_step``).
-LOSS_PATTERN = r"^(.*[/_.])?loss([/_.].*)?$"
+#: is or contains a ``loss`` word (``train_loss``, ``loss``, ``train/loss``, ``train_loss_step``),
+#: except validation, evaluation and test losses (``val_loss``, ``valid/loss``, ``eval/loss``,
+#: ``test_loss``): the chart is the training loss only.
+LOSS_PATTERN = r"^(?!(.*[/_.])?(val|valid|validation|eval|evaluation|test)[/_.])(.*[/_.])?loss([/_.].*)?$"
 #: Layers shown in a tiled overlap or correlation image; past it, the layers that moved most.
 DEFAULT_MAX_IMAGE_LAYERS = 16
 #: Layers with a principal-angle histogram of their own; past it, groups of adjacent layers.
 DEFAULT_MAX_HISTOGRAM_LAYERS = 8
 #: Scalar families summarised by a min and a max over layers (beside their ``/mean``).
 _SUMMARISED = ("effective_heads", "head_correlation")
+#: A layer name in a per-layer tag: anything but the ``mean``/``min``/``max`` summaries.
+_LAYER = r"(?!(mean|min|max)$).+"
 
 
 class Chart(TypedDict, total=False):
@@ -119,6 +123,8 @@ class Dashboard:
     max_image_layers: int = DEFAULT_MAX_IMAGE_LAYERS
     max_histogram_layers: int = DEFAULT_MAX_HISTOGRAM_LAYERS
     layout_written: bool = False
+    #: per-layer invalid-head tags that have been non-zero in this run (logged from then on)
+    unhealthy: set[str] = field(default_factory=set, repr=False)
     _last_image_values: dict[str, dict[str, float]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -131,25 +137,30 @@ class Dashboard:
     def layout(self, layer_names: Mapping[str, Sequence[str]], *, activations: bool) -> Layout:
         """The Custom Scalars layout.
 
+        It names no layer and no layer count: TensorBoard merges the layouts of the runs in one log
+        folder and shows a chart once only where the runs' charts are identical, so two models of
+        different depth in one ``runs/`` folder share every chart. Per-layer charts match every
+        layer tag of their family except the ``mean``, ``min`` and ``max`` summaries.
+
         Args:
-            layer_names: projection -> names of the layers measured for it.
+            layer_names: projection -> names of the layers measured for it (the projections are
+                charted; which layers is read from the tags).
             activations: add the head-output charts.
         """
         loss = f"^{re.escape(self.loss_tag)}$" if self.loss_tag is not None else LOSS_PATTERN
         main: list[Chart] = [{"title": "training loss", "multiline": [loss]}]
         per_layer: list[Chart] = []
-        for p, names in layer_names.items():
+        for p in layer_names:
             main.append(
                 {
-                    "title": f"HDI ({p}): mean over {len(names)} layers, min-max band, chance level",
+                    "title": f"HDI ({p}): mean over layers, min-max band, chance level",
                     "margin": [(f"hdi/{p}/mean", f"hdi/{p}/min", f"hdi/{p}/max"), (f"hdi_chance/{p}",) * 3],
                 }
             )
-            layers = "|".join(re.escape(n) for n in names) or "$^"
             per_layer.append(
                 {
                     "title": f"HDI ({p}) per layer",
-                    "multiline": [f"^hdi/{re.escape(p)}/({layers})$", f"^hdi_chance/{re.escape(p)}$"],
+                    "multiline": [f"^hdi/{re.escape(p)}/{_LAYER}$", f"^hdi_chance/{re.escape(p)}$"],
                 }
             )
         categories: list[Category] = [{"title": "HDI", "closed": False, "charts": main}]
@@ -176,11 +187,13 @@ class Dashboard:
         )
         categories.append({"title": "HDI per layer", "closed": True, "charts": per_layer})
         if activations:
-            every = "|".join(re.escape(n) for n in sorted({n for names in layer_names.values() for n in names})) or "$^"
-            per_family = {f"{f.replace('_', ' ')} per layer": f"^{f}/({every})$" for f in _SUMMARISED}
+            per_family = {f"{f.replace('_', ' ')} per layer": f"^{f}/{_LAYER}$" for f in _SUMMARISED}
             categories.append(_collapsed("Head outputs per layer", per_family))
-        health = {f"invalid heads ({p})": f"^invalid_heads/{re.escape(p)}/" for p in layer_names}
-        categories.append(_collapsed("Head health (dead or non-finite heads, 0 when healthy)", health))
+        health = {
+            "invalid heads per projection (0 when healthy)": r"^invalid_heads/[a-z]+$",
+            "invalid heads per layer (layers that had any)": r"^invalid_heads/[a-z]+/.+$",
+        }
+        categories.append(_collapsed("Head health (dead or non-finite heads)", health))
         return {"categories": categories}
 
     @staticmethod
@@ -202,8 +215,8 @@ class Dashboard:
         )
 
     # ------------------------------------------------------------------ scalars
-    @staticmethod
     def summary_scalars(
+        self,
         scalars: dict[str, float],
         report: DiversityReport,
         events: Sequence[DiversityEvent],
@@ -214,7 +227,13 @@ class Dashboard:
         """Complete a measurement's scalars in place (and return them): ``<family>/min`` and
         ``/max`` over layers beside each ``/mean``, ``diversity_events/<kind>`` counts (0 on a
         measured step without events when a detector runs), and ``hdi_max/<projection>`` dropped
-        where the frame bound does not bind (1: the heads can all be orthogonal)."""
+        where the frame bound does not bind (1: the heads can all be orthogonal).
+
+        Invalid heads: ``invalid_heads/<projection>`` counts the dead or non-finite heads over all
+        layers on every measured step (0 when healthy). The per-layer counts
+        ``invalid_heads/<projection>/<layer>`` are kept only for layers that have had an invalid
+        head in this run (from the first such step on, 0 again once they recover), so a healthy
+        model adds one chart per projection to the Scalars tab, not one per layer."""
         names = [la.name for la in report.layers]
         families = [f"hdi/{p}" for p in projections] + list(_SUMMARISED)
         for family in families:
@@ -225,6 +244,15 @@ class Dashboard:
         for p in projections:
             if scalars.get(f"hdi_max/{p}", 0.0) >= 1.0:
                 del scalars[f"hdi_max/{p}"]
+            prefix = f"invalid_heads/{p}/"
+            per_layer = {tag: v for tag, v in scalars.items() if tag.startswith(prefix)}
+            if per_layer:
+                scalars[f"invalid_heads/{p}"] = float(sum(per_layer.values()))
+            for tag, count in per_layer.items():
+                if count:
+                    self.unhealthy.add(tag)
+                elif tag not in self.unhealthy:
+                    del scalars[tag]
         counts = dict.fromkeys(EVENT_KINDS, 0.0) if detecting else {}
         for event in events:
             counts[event.kind] = counts.get(event.kind, 0.0) + 1.0

@@ -19,7 +19,7 @@ Modules: `law` (`AllocationLaw`, `optimal_head_dim`, `recommend_allocation`), `s
 (`AllocationRun`, `load_sweep`, `load_sweep_csv`), `fit` (`fit_allocation_law`, bounded least
 squares on ``ln(loss)``) and `plot` (`plot_allocation`, imported on first use). The law is plain
 float64 numpy; the optimum and the fit use scipy, the ``advisor`` extra
-(``pip install 'hdi-monitor[advisor]'``), imported only when they run.
+(from a checkout: ``pip install -e '.[advisor]'``), imported only when they run.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ def _scipy_optimize() -> ModuleType:
         import scipy.optimize
     except ImportError as err:
         raise ImportError(
-            "the allocation advisor needs scipy: pip install 'hdi-monitor[advisor]' (or pip install scipy)"
+            "the allocation advisor needs scipy: pip install scipy (the advisor extra: pip install -e '.[advisor]' "
+            "in a checkout of hdi-monitor, pip install 'hdi-monitor[advisor]' once it is on a package index)"
         ) from err
     return scipy.optimize
 
