@@ -16,8 +16,9 @@ from conftest import cuda
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
-from hdi_monitor import AttentionSpec, HDITracker, head_covariance, head_diversity
+from hdi_monitor import AttentionSpec, HDITracker, head_diversity
 from hdi_monitor.exceptions import MonitoringWarning
+from hdi_monitor.functional.covariance import head_covariance
 from hdi_monitor.models import find_attention_layers
 
 D, H, T, VOCAB = 16, 4, 12, 40

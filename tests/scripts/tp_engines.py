@@ -334,7 +334,8 @@ def track(
     `HDITracker` measuring every step, or without), return each step's loss and measurement and the
     final weights. With a DeepSpeed ``engine`` (whose module is ``model``), the engine runs the forward,
     backward and optimizer steps."""
-    from hdi_monitor import HDITracker, MemorySink
+    from hdi_monitor import HDITracker
+    from hdi_monitor.monitor.sinks import MemorySink
 
     tracker = None
     if monitor:
@@ -452,7 +453,8 @@ def _time_steps(model: nn.Module, dp_rank: int, dp: int, *, monitor: bool, engin
     step when ``monitor``), synchronised over the ranks."""
     import time
 
-    from hdi_monitor import HDITracker, MemorySink
+    from hdi_monitor import HDITracker
+    from hdi_monitor.monitor.sinks import MemorySink
 
     tracker = None
     if monitor:
