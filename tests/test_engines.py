@@ -186,6 +186,22 @@ def test_tracker_under_tp_equals_one_process(engine: str, tmp_path: Path, single
         assert ranks[0]["with"]["losses"] == pytest.approx(single_track["losses"], abs=1e-5)
 
 
+@pytest.mark.slow
+def test_tp_gather_is_bounded_by_max_tokens_and_equals_one_process(tmp_path: Path) -> None:
+    ranks = launch("plain_tp_subsample", tmp_path)
+    want = te.track(te.build_plain(), 0, 1, max_tokens=te.SUBSAMPLE)["steps"]
+    assert te.SUBSAMPLE < te.GLOBAL_BATCH * te.SEQ
+    for res in ranks.values():
+        # one gather per layer per step, each of at most max_tokens rows (not the batch's tokens)
+        assert res["gathered_rows"] and max(res["gathered_rows"]) == te.SUBSAMPLE
+        for got_step, want_step in zip(res["steps"], want, strict=True):
+            for name, ref in want_step.items():
+                assert got_step[name]["num_tokens"] == ref["num_tokens"] == te.SUBSAMPLE
+                assert got_step[name]["effective_heads"] == pytest.approx(ref["effective_heads"], abs=1e-5)
+                cov = torch.tensor(got_step[name]["covariance"])
+                assert torch.allclose(cov, torch.tensor(ref["covariance"]), rtol=1e-5, atol=1e-7)
+
+
 LIGHTNING = Path(__file__).parent / "scripts" / "tp_lightning.py"
 
 

@@ -617,16 +617,7 @@ class HeadCovarianceAccumulator:
         n_tok = flat.shape[0]
         if keep is not None:
             keep = keep.to(flat.device)
-        if self.max_tokens is not None and self.max_tokens < n_tok:
-            if keep is None:
-                keep = torch.ones(n_tok, dtype=torch.bool, device=flat.device)
-            keep = subsample_mask(keep, self.max_tokens, self.generator)
-        if self.total_tokens is not None and self._offered + n_tok > self.total_tokens:
-            # this call may pass the budget: keep at most what is left of it (a device-side count)
-            if keep is None:
-                keep = torch.ones(n_tok, dtype=torch.bool, device=flat.device)
-            left = (self.total_tokens - self._state()[0]).clamp_min(0).to(flat.device)
-            keep = budget_mask(keep, left, self.generator)
+        keep = self._choose(keep, n_tok, flat.device)
         self._offered += n_tok
         if n_tok == 0:
             return
@@ -634,6 +625,42 @@ class HeadCovarianceAccumulator:
         dtype = {"auto": _F64 if wide else torch.float32, "float32": torch.float32, "float64": _F64}[self.matmul_dtype]
         with no_autocast(), ieee_float32_matmul():
             self._update_chunks(flat, keep, w, dtype)
+
+    def _choose(self, keep: Tensor | None, n_tok: int, device: torch.device) -> Tensor | None:
+        """The tokens of a call of ``n_tok`` tokens that `update` uses: ``keep``, then at most
+        ``max_tokens`` of them, then at most what is left of ``total_tokens`` (None: all)."""
+        if self.max_tokens is not None and self.max_tokens < n_tok:
+            if keep is None:
+                keep = torch.ones(n_tok, dtype=torch.bool, device=device)
+            keep = subsample_mask(keep, self.max_tokens, self.generator)
+        if self.total_tokens is not None and self._offered + n_tok > self.total_tokens:
+            # this call may pass the budget: keep at most what is left of it (a device-side count)
+            if keep is None:
+                keep = torch.ones(n_tok, dtype=torch.bool, device=device)
+            left = (
+                (self.total_tokens - self._state()[0]).clamp_min(0).to(device)
+                if self._sum is not None
+                else self.total_tokens
+            )
+            keep = budget_mask(keep, left, self.generator)
+        return keep
+
+    def select_tokens(self, keep: Tensor | None, n_tok: int) -> tuple[Tensor | None, int]:
+        """The tokens the next `update` of ``n_tok`` tokens (keep mask ``keep``, flat ``(n_tok,)``)
+        would use, chosen now with the accumulator's generator, and the most that can be chosen.
+
+        For callers that must move the chosen tokens before updating (tensor parallelism gathers
+        them over ranks): pass the chosen tokens to `update` afterwards, as at most the returned
+        number of rows flagged by the mask. Draws what `update` would draw; no host sync.
+
+        Returns:
+            ``(mask, cap)``: the ``(n_tok,)`` bool mask of chosen tokens (None: all ``n_tok``) and
+            ``cap = min(n_tok, max_tokens, total_tokens)``.
+        """
+        caps = [c for c in (self.max_tokens, self.total_tokens) if c is not None]
+        cap = min([n_tok, *caps])
+        device = keep.device if keep is not None else (self._device or torch.device("cpu"))
+        return self._choose(keep, n_tok, device), cap
 
     def _update_chunks(self, flat: Tensor, keep: Tensor | None, w: Tensor, dtype: torch.dtype) -> None:
         device = self._state()[1].device

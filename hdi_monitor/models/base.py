@@ -60,6 +60,10 @@ KVMap = Literal["block", "modulo"]
 OutputHook = Callable[[Tensor, "Tensor | None"], None]
 """``fn(o, keep_mask)``: ``o`` is ``(..., num_heads * head_dim)``, ``keep_mask`` None or bool."""
 
+TokenSelect = Callable[[Tensor], "tuple[Tensor, Tensor | None]"]
+"""``select(o) -> (rows, keep)``: the tokens of ``o`` (``(..., width)``) to use, as ``(n, width)``
+rows and their bool flags (None: every row); under tensor parallelism it runs before the gather."""
+
 ErrorHandler = Callable[[Exception], None]
 """``on_error(err)``: receives an exception raised inside an output hook instead of the forward pass."""
 
@@ -315,7 +319,9 @@ class AttentionLayer:
         _check_divides(self.name, projection, w.shape[0], heads, d, "output features")
         return split_out_features(w, heads)
 
-    def attach_output_hook(self, fn: OutputHook, on_error: ErrorHandler | None = None) -> HookHandle:
+    def attach_output_hook(
+        self, fn: OutputHook, on_error: ErrorHandler | None = None, *, select: TokenSelect | None = None
+    ) -> HookHandle:
         """Call ``fn(o, keep_mask)`` on every forward of this layer while attached.
 
         ``o`` is ``(..., num_heads * head_dim)``, the concatenated per-head outputs before the output
@@ -324,6 +330,12 @@ class AttentionLayer:
         ``keep_mask`` is None here (token masks come from the batch, see `mask_key`). With
         ``on_error``, an exception inside the hook goes to ``on_error(err)`` and the forward pass
         goes on. Returns a handle with ``.remove()``.
+
+        Under tensor parallelism, ``select`` (``o_share -> (rows, keep)``, the same choice on every
+        TP rank) picks the tokens to gather before the collective, so that the gather is bounded by
+        the number of rows it returns (the caller's ``max_tokens``) rather than by the batch; ``fn``
+        then receives those rows of every head and their ``keep`` flags. Without tensor parallelism
+        ``select`` is not used.
         """
         if self._output_module is None:
             raise ValueError(
@@ -335,11 +347,15 @@ class AttentionLayer:
 
         def pre_hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
             o = args[0] if args else next(iter(kwargs.values()))
+            keep: Tensor | None = None
             if split is not None:  # this rank's heads: gather every head (a collective, first in the hook)
-                from hdi_monitor.models.tensor_parallel import gather_heads
+                from hdi_monitor.models.tensor_parallel import gather_heads, local_share
 
-                o = gather_heads(o.detach(), split, width, self.name)
-            fn(o.detach(), None)
+                o = local_share(o.detach(), split, width, self.name)
+                if select is not None:
+                    o, keep = select(o)
+                o = gather_heads(o, split, width, self.name)
+            fn(o.detach(), keep)
 
         return HookHandle(self._output_module.register_forward_pre_hook(guarded(pre_hook, on_error), with_kwargs=True))
 

@@ -75,6 +75,23 @@ class CallCounts:
         return [n for n, c in self.module_calls.items() if c > 0 and self.output_calls.get(n, 0) == 0]
 
 
+def _with_mask(mask: Tensor | None, layer: AttentionLayer, o: Tensor, keep: Tensor | None) -> Tensor | None:
+    """``keep`` and the batch's token mask, where the mask fits the hooked tokens (else said once)."""
+    if mask is None:
+        return keep
+    if tuple(mask.shape) == tuple(o.shape[:-1]):
+        mask = mask.to(device=o.device, dtype=torch.bool)
+        return mask if keep is None else keep & mask
+    if layer not in _MASK_WARNED:
+        _MASK_WARNED.add(layer)
+        warnings.warn(
+            mask_mismatch_message(layer.name, str(layer.mask_key), tuple(mask.shape), tuple(o.shape[:-1])),
+            MonitoringWarning,
+            stacklevel=3,
+        )
+    return keep
+
+
 def _on_output(
     acc: HeadCovarianceAccumulator,
     mask: Tensor | None,
@@ -85,18 +102,25 @@ def _on_output(
 ) -> None:
     if counts is not None:
         counts.output_calls[layer.name] = counts.output_calls.get(layer.name, 0) + 1
-    if mask is not None:
-        if tuple(mask.shape) == tuple(o.shape[:-1]):
-            mask = mask.to(device=o.device, dtype=torch.bool)
-            keep = mask if keep is None else keep & mask
-        elif layer not in _MASK_WARNED:
-            _MASK_WARNED.add(layer)
-            warnings.warn(
-                mask_mismatch_message(layer.name, str(layer.mask_key), tuple(mask.shape), tuple(o.shape[:-1])),
-                MonitoringWarning,
-                stacklevel=2,
-            )
-    acc.update(o.detach(), keep)
+    acc.update(o.detach(), _with_mask(mask, layer, o, keep))
+
+
+def _select_tokens(
+    acc: HeadCovarianceAccumulator, mask: Tensor | None, layer: AttentionLayer, o: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """Under tensor parallelism, before the gather: the rows of this rank's share that ``acc`` would
+    use (the batch mask, then its token budget drawn from its generator: the same draw on every TP
+    rank, which all see the same tokens), as at most ``max_tokens`` rows and their keep flags, so
+    that the gather moves at most ``max_tokens`` tokens of every head. The chosen rows come first;
+    rows that pad a short selection are flagged False. No host sync (the row count is fixed)."""
+    keep = _with_mask(mask, layer, o, None)
+    flat = o.reshape(-1, o.shape[-1])
+    n = flat.shape[0]
+    chosen, cap = acc.select_tokens(None if keep is None else keep.reshape(-1), n)
+    if chosen is None or cap >= n:
+        return flat, chosen
+    rows = torch.topk(chosen.to(torch.float32), cap, sorted=False).indices
+    return flat[rows], chosen[rows]
 
 
 def _count_module_call(counts: CallCounts, name: str, *_: Any) -> None:
@@ -122,8 +146,15 @@ def attach_output_hooks(
     try:
         for layer, acc in zip(layers, accumulators, strict=True):
             if acc is not None:
-                fn = partial(_on_output, acc, batch_mask(batch, layer.mask_key), layer, counts)
-                handles.append(layer.attach_output_hook(fn, on_error=on_error))
+                mask = batch_mask(batch, layer.mask_key)
+                if getattr(layer, "tensor_parallel", None) is not None:
+                    # the batch mask and the subsample are applied to this rank's share, before the gather
+                    select = partial(_select_tokens, acc, mask, layer)
+                    fn = partial(_on_output, acc, None, layer, counts)
+                    handles.append(layer.attach_output_hook(fn, on_error=on_error, select=select))
+                else:
+                    fn = partial(_on_output, acc, mask, layer, counts)
+                    handles.append(layer.attach_output_hook(fn, on_error=on_error))
                 if counts is not None:
                     counts.module_calls.setdefault(layer.name, 0)
                     counter = partial(_count_module_call, counts, layer.name)

@@ -45,6 +45,7 @@ __all__ = [
     "data_parallel_group",
     "fused_tp_refusal",
     "gather_heads",
+    "local_share",
     "is_dtensor",
     "is_zero3_param",
     "logical_shape",
@@ -315,6 +316,17 @@ def fused_tp_refusal(label: str, weight: Tensor, packing: str | None, heads: int
 
 
 # ------------------------------------------------------------------------------------------ activations
+
+
+def local_share(o: Tensor, split: TensorParallel, width: int, label: str = "") -> Tensor:
+    """This rank's share of the out-projection input as a plain tensor (a DTensor sharded on its
+    last dimension gives its local shard; a tensor already ``width`` wide is returned as it is)."""
+    if is_dtensor(o):
+        local = o.to_local()  # type: ignore[attr-defined]
+        if tuple(local.shape[:-1]) == tuple(o.shape[:-1]) and local.shape[-1] * split.size == width:
+            return local  # sharded on the head dimension only: this rank's heads, every token
+        return o.full_tensor()  # type: ignore[attr-defined]
+    return o
 
 
 def gather_heads(o: Tensor, split: TensorParallel, width: int, label: str = "") -> Tensor:

@@ -30,6 +30,7 @@ from hdi_monitor.models.base import (
     ErrorHandler,
     HookHandle,
     OutputHook,
+    TokenSelect,
     full_weight,
     guarded,
 )
@@ -164,8 +165,11 @@ def mha_head_outputs(
 class MHALayer(AttentionLayer):
     """An ``nn.MultiheadAttention``; its output hook recomputes head outputs from the forward inputs."""
 
-    def attach_output_hook(self, fn: OutputHook, on_error: ErrorHandler | None = None) -> HookHandle:
-        """Call ``fn(o, keep_mask)`` on every forward of the MHA while attached.
+    def attach_output_hook(
+        self, fn: OutputHook, on_error: ErrorHandler | None = None, *, select: TokenSelect | None = None
+    ) -> HookHandle:
+        """Call ``fn(o, keep_mask)`` on every forward of the MHA while attached (``select`` is for
+        tensor-parallel layers, which ``nn.MultiheadAttention`` never is: unused).
 
         ``o`` is recomputed from the call's inputs (see `mha_head_outputs`). For self-attention
         calls (``query is key``) with a ``key_padding_mask``, ``keep_mask = ~key_padding_mask`` (float

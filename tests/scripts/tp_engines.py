@@ -328,7 +328,14 @@ def _full(t: Tensor) -> Tensor:
 
 
 def track(
-    model: nn.Module, dp_rank: int, dp: int, *, monitor: bool = True, lr: float = 0.05, engine: Any = None
+    model: nn.Module,
+    dp_rank: int,
+    dp: int,
+    *,
+    monitor: bool = True,
+    lr: float = 0.05,
+    engine: Any = None,
+    max_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` TRACK_STEPS steps on this data-parallel rank's share of each global batch (with an
     `HDITracker` measuring every step, or without), return each step's loss and measurement and the
@@ -343,7 +350,7 @@ def track(
             model,
             every_n_steps=1,
             projections=PROJECTIONS,
-            max_tokens=None,
+            max_tokens=max_tokens,
             log_images_every_n_steps=0,
             sinks=[MemorySink()],
             strict=True,
@@ -404,6 +411,36 @@ def _run_plain_tp_track(out: Path, rank: int) -> dict[str, Any]:
         apply_plain_tp(model, mesh)
         runs["with" if monitor else "without"] = track(model, 0, 1, monitor=monitor)
     return runs
+
+
+#: A token budget well below the tokens of one global batch (GLOBAL_BATCH * SEQ).
+SUBSAMPLE = 12
+
+
+def _run_plain_tp_subsample(out: Path, rank: int) -> dict[str, Any]:
+    """Plain TP with ``max_tokens`` below the batch: every TP rank picks the same tokens of its share
+    before the gather, so each head-output gather moves at most ``max_tokens`` rows, and the result
+    equals one process drawing from the same seeded generator over the same tokens."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",))
+    model = build_plain()
+    apply_plain_tp(model, mesh)
+    gathered: list[int] = []
+    all_gather = dist.all_gather
+
+    def counting_all_gather(parts: Any, tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+        gathered.append(tensor.shape[0] if tensor.ndim == 2 else -1)  # head-output rows (2-D) per call
+        return all_gather(parts, tensor, *args, **kwargs)
+
+    dist.all_gather = counting_all_gather  # the script's own process: a probe of what is sent
+    try:
+        run = track(model, 0, 1, max_tokens=SUBSAMPLE)
+    finally:
+        dist.all_gather = all_gather
+    run["gathered_rows"] = [n for n in gathered if n >= 0]
+    return run
 
 
 def _run_fsdp_tp_track(out: Path, rank: int) -> dict[str, Any]:
@@ -551,6 +588,7 @@ ENGINES = {
     "zero3": _run_zero3,
     "plain_tp_track": _run_plain_tp_track,
     "fsdp_tp_track": _run_fsdp_tp_track,
+    "plain_tp_subsample": _run_plain_tp_subsample,
     "zero3_track": _run_zero3_track,
     "stage_mismatch": _run_stage_mismatch,
     "tp_time": _run_tp_time,
