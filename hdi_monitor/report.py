@@ -24,6 +24,7 @@ from hdi_monitor.functional.diversity import (
     head_diversity_index,
     invalid_heads,
     max_hdi,
+    pairwise_principal_angles,
     subspace_overlap,
 )
 from hdi_monitor.models import AttentionLayer, AttentionSpec, SkippedModule, discover_attention
@@ -58,7 +59,12 @@ class LayerDiversity:
     projection's own input width (``kdim`` for keys of a cross-attention with ``kdim != D``).
     ``overlap`` holds CPU float32 ``(heads, heads)`` matrices with NaN rows/columns for invalid
     (all-zero or non-finite) heads. The activation fields are filled only when the report was made
-    with ``inputs``.
+    with ``inputs``. ``angles`` (filled only when asked for, see `compute_report`) holds, per
+    projection, the principal angles in degrees of every valid head pair ``i < j`` (CPU float32,
+    flattened), computed from the same weight read as the overlaps.
+
+    More per-layer results are added as optional fields with a default (None or empty), so that
+    every reader of a report (tags, dashboards, detector, CLI) keeps working when one is added.
     """
 
     name: str
@@ -79,6 +85,7 @@ class LayerDiversity:
     variance_ratio: float | None = None
     num_tokens: int | None = None
     notes: tuple[str, ...] = ()
+    angles: dict[str, Tensor] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (NaN becomes None)."""
@@ -264,6 +271,7 @@ def compute_report(
     fsdp_root: nn.Module | None = None,
     skipped: Sequence[SkippedModule] = (),
     progress: Progress | None = None,
+    angles: bool = False,
 ) -> DiversityReport:
     """Weight-based diversity of already-found attention layers.
 
@@ -283,6 +291,9 @@ def compute_report(
         progress: called with the number of layers measured after each group, for one
             projection (``len(layers) * len(projections)`` in all); ``tqdm(total=...).update``
             fits.
+        angles: also compute the principal angles of every head pair (`LayerDiversity.angles`)
+            from the same weights, while they are read (gathered) for the overlaps: the weights
+            are read once whatever is asked.
     """
     checked = _check_projections(projections)
     check_choice("weighting", weighting, Weighting)
@@ -310,6 +321,9 @@ def compute_report(
                 results[i].max_hdi[proj] = max_hdi(num_heads=heads, head_dim=d, model_dim=d_in)
             overlap = subspace_overlap(stacked, weighting)
             pending.append((proj, idx, overlap, head_diversity_index(overlap), invalid_heads(stacked)))
+            if angles and heads >= 2:
+                for i, row in zip(idx, _pair_angles(stacked), strict=True):
+                    results[i].angles[proj] = row
             del stacked  # a gathered layer is freed before the next one
             if progress is not None:
                 progress(len(idx))
@@ -317,6 +331,16 @@ def compute_report(
     if not all(isinstance(s, SkippedModule) for s in skipped):
         raise TypeError("skipped must be a sequence of SkippedModule (see discover_attention)")
     return DiversityReport(layers=results, projections=checked, weighting=weighting, skipped=list(skipped))
+
+
+def _pair_angles(stacked: Tensor) -> list[Tensor]:
+    """Principal angles in degrees of every head pair ``i < j``, per layer of ``stacked`` (``(L, H,
+    D, d)``): CPU float32, flattened, NaN (invalid heads) dropped."""
+    angles = pairwise_principal_angles(stacked)  # (L, H, H, d)
+    h = angles.shape[1]
+    i, j = torch.triu_indices(h, h, offset=1, device=angles.device)
+    picked = torch.rad2deg(angles[:, i, j].flatten(1)).float().cpu()
+    return [row[~torch.isnan(row)] for row in picked]
 
 
 def _collect(pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]], results: list[LayerDiversity]) -> None:

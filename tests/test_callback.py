@@ -64,7 +64,7 @@ def test_images_and_histograms_at_image_steps(tb_run):
     for acc in accs:
         for tag in acc.Tags()["images"]:
             events = acc.Images(tag)
-            assert [e.step for e in events] == [0, 6]
+            assert [e.step for e in events] == [0, 6, 9]  # image steps, and the last measured step (9)
             assert events[0].width >= 400 and events[0].height >= 200  # a figure with labels and a colour bar
     hists = {t: acc.Histograms(t) for acc in accs for t in acc.Tags()["histograms"]}
     assert set(hists) == {f"principal_angles_deg/{p}/{n}" for p in PROJECTIONS for n in LAYERS}  # per layer

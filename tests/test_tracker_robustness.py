@@ -114,7 +114,7 @@ def test_late_state_restore_is_applied(tmp_path):
         accelerator="cpu",
     ).fit(tiny_lm(), loader())
     state = first.state_dict()
-    assert [h["step"] for h in state["history"]] == [0, 2, 4]
+    assert state["history"]["steps"] == [0, 2, 4]  # the columnar state (History.state_dict)
 
     second = HDIMonitor(every_n_steps=2, projections=("key",), activations=False, detector=None)
     with warnings.catch_warnings():

@@ -61,6 +61,7 @@ from torch import nn
 
 from hdi_monitor._validation import check_bool
 from hdi_monitor.monitor.config import DetectorArg, MonitorConfig, check_detector
+from hdi_monitor.monitor.history import History
 from hdi_monitor.monitor.tracker import HDITracker, Measurement
 
 try:
@@ -172,11 +173,11 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
 
     # ------------------------------------------------------------------ results
     @property
-    def history(self) -> list[dict[str, float]]:
-        """Every measured step's scalars (``{"step": k, "hdi/key/<layer>": ..., ...}``)."""
+    def history(self) -> History:
+        """The measured steps' scalars, bounded (rows read ``{"step": k, "hdi/key/<layer>": ..., ...}``)."""
         if self.tracker is not None:
             return self.tracker.history
-        return list((self._restored_state or {}).get("history", []))
+        return History.from_state((self._restored_state or {}).get("history", []), self.config.history_budget)
 
     @property
     def last_measurement(self) -> Measurement | None:

@@ -26,6 +26,7 @@ from torch import nn
 
 from hdi_monitor.models.sharding import contains_fsdp1
 from hdi_monitor.monitor.config import DetectorArg, MonitorConfig, check_detector
+from hdi_monitor.monitor.history import History
 from hdi_monitor.monitor.sinks import LoggerSink, Sink, TensorBoardSink
 from hdi_monitor.monitor.tracker import HDITracker, Measurement
 
@@ -111,9 +112,11 @@ class HDIMonitor(Callback):
         return self._generate_state_key(every_n_steps=self.every_n_steps, projections=self.projections)
 
     @property
-    def history(self) -> list[dict[str, float]]:
-        """Every measured step's scalars (``{"step": s, "hdi/key/<layer>": ..., ...}``)."""
-        return self.tracker.history if self.tracker is not None else list((self._restored or {}).get("history", []))
+    def history(self) -> History:
+        """The measured steps' scalars, bounded (rows read ``{"step": s, "hdi/key/<layer>": ..., ...}``)."""
+        if self.tracker is not None:
+            return self.tracker.history
+        return History.from_state((self._restored or {}).get("history", []), self.config.history_budget)
 
     @property
     def last_measurement(self) -> Measurement | None:
