@@ -33,11 +33,13 @@ from hdi_monitor.models.discovery import skipped_message
 from hdi_monitor.models.sharding import full_weights, gathers_weights, is_fsdp1_module
 
 __all__ = [
+    "AngleWork",
     "DiversityReport",
     "LayerDiversity",
     "Progress",
     "Projection",
     "compute_report",
+    "fill_angles",
     "head_diversity",
     "weight_groups",
 ]
@@ -271,7 +273,7 @@ def compute_report(
     fsdp_root: nn.Module | None = None,
     skipped: Sequence[SkippedModule] = (),
     progress: Progress | None = None,
-    angles: bool = False,
+    angles: bool | list[AngleWork] = False,
 ) -> DiversityReport:
     """Weight-based diversity of already-found attention layers.
 
@@ -293,7 +295,10 @@ def compute_report(
             fits.
         angles: also compute the principal angles of every head pair (`LayerDiversity.angles`)
             from the same weights, while they are read (gathered) for the overlaps: the weights
-            are read once whatever is asked.
+            are read once whatever is asked. A list instead of True defers the work for weights
+            that live whole on the CPU: their groups are appended to it as `AngleWork` (a CPU copy
+            of the weights, taken now), to be finished later, on another thread, with
+            `fill_angles`; sharded (gathered) and accelerator weights are done at once.
     """
     checked = _check_projections(projections)
     check_choice("weighting", weighting, Weighting)
@@ -321,9 +326,17 @@ def compute_report(
                 results[i].max_hdi[proj] = max_hdi(num_heads=heads, head_dim=d, model_dim=d_in)
             overlap = subspace_overlap(stacked, weighting)
             pending.append((proj, idx, overlap, head_diversity_index(overlap), invalid_heads(stacked)))
-            if angles and heads >= 2:
-                for i, row in zip(idx, _pair_angles(stacked), strict=True):
-                    results[i].angles[proj] = row
+            if angles is not False and heads >= 2:
+                deferred = (
+                    isinstance(angles, list)
+                    and stacked.device.type == "cpu"
+                    and not gathers_weights(layers[idx[0]], fsdp_root)
+                )
+                if deferred:
+                    cast("list[AngleWork]", angles).append(AngleWork(proj, tuple(idx), stacked.detach().clone()))
+                else:
+                    for i, row in zip(idx, _pair_angles(stacked), strict=True):
+                        results[i].angles[proj] = row
             del stacked  # a gathered layer is freed before the next one
             if progress is not None:
                 progress(len(idx))
@@ -331,6 +344,26 @@ def compute_report(
     if not all(isinstance(s, SkippedModule) for s in skipped):
         raise TypeError("skipped must be a sequence of SkippedModule (see discover_attention)")
     return DiversityReport(layers=results, projections=checked, weighting=weighting, skipped=list(skipped))
+
+
+@dataclass(frozen=True)
+class AngleWork:
+    """Principal angles left to compute (see `compute_report`'s ``angles``): a CPU copy of the
+    ``(L, H, D, d)`` weights of the layers ``indices`` (positions in the report) for one
+    projection."""
+
+    projection: str
+    indices: tuple[int, ...]
+    weights: Tensor
+
+
+def fill_angles(report: DiversityReport, work: Sequence[AngleWork]) -> None:
+    """Compute deferred principal angles into ``report.layers[i].angles`` (thread-safe against
+    readers: each entry is set once, whole)."""
+    with torch.no_grad():
+        for item in work:
+            for i, row in zip(item.indices, _pair_angles(item.weights), strict=True):
+                report.layers[i].angles[item.projection] = row
 
 
 def _pair_angles(stacked: Tensor) -> list[Tensor]:

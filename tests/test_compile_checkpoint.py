@@ -413,7 +413,11 @@ def _lightning_run(monitor: bool, how: str):
     torch.manual_seed(0)
     model = CompiledLM(how)
     callbacks = (
-        [HDIMonitor(every_n_steps=EVERY, spec=SPEC, log_images_every_n_steps=4, detector=None, max_tokens=None, strict=True)]
+        [
+            HDIMonitor(
+                every_n_steps=EVERY, spec=SPEC, log_images_every_n_steps=4, detector=None, max_tokens=None, strict=True
+            )
+        ]
         if monitor
         else []
     )

@@ -352,12 +352,16 @@ class ImageJob:
         maps: diversity maps.
         tiles: tiled overlap and correlation images.
         histograms: principal-angle histograms, tag -> angles in degrees.
+        late_histograms: histograms whose angles are still to be computed (from a CPU copy of
+            the weights taken on the step, see `hdi_monitor.report.AngleWork`), computed on the
+            worker; None when there are none.
     """
 
     step: int
     maps: tuple[MapPanel, ...] = ()
     tiles: tuple[TilePanel, ...] = ()
     histograms: Mapping[str, Tensor] = field(default_factory=dict)
+    late_histograms: Callable[[], Mapping[str, Tensor]] | None = None
 
     @property
     def tags(self) -> list[str]:

@@ -54,13 +54,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from hdi_monitor.exceptions import MonitoringWarning
 from hdi_monitor.functional._numerics import no_autocast
@@ -103,7 +104,7 @@ from hdi_monitor.monitor.render import ImageJob, Renderer, render_job
 from hdi_monitor.monitor.sinks import Sink, TensorBoardSink
 from hdi_monitor.monitor.tags import scalar_tags
 from hdi_monitor.monitor.worker import ImageWorker, SinkLocks
-from hdi_monitor.report import compute_report
+from hdi_monitor.report import AngleWork, DiversityReport, compute_report, fill_angles
 
 __all__ = [
     "HDITracker",
@@ -125,6 +126,7 @@ class _Pending:
     report: Any  # DiversityReport
     accumulators: list[HeadCovarianceAccumulator | None]
     forward_expected: bool = True  # False for weight-only measurements (step() without capture())
+    angle_work: list[AngleWork] = field(default_factory=list)  # angles left for the worker
 
 
 class HDITracker:
@@ -306,18 +308,18 @@ class HDITracker:
         Measures the weights now, before the optimizer step, and attaches head-output hooks when
         ``activations`` is on. Returns True if step ``step`` is being measured.
         """
-        if self._scheduled == step:
-            # a further micro-batch of the step under way; a step whose measurement failed (a hook
-            # error, say) is never restarted: it stays skipped until finish()
-            if self._pending is None:
+        if self._scheduled != step:
+            if not self.should_measure(step):
                 return False
-            with self._guard("capturing head outputs"):
-                self._attach(batch)
-            return True
-        if not self.should_measure(step):
+            self._scheduled = step
+            self._start(step)
+        # the first or a further micro-batch of the step under way; a step whose measurement failed
+        # (a hook error, say) is never restarted: it stays skipped until finish()
+        if self._pending is None:
             return False
-        self._scheduled = step
-        return self._start(step, batch)
+        with self._guard("capturing head outputs"):
+            self._attach(batch)
+        return self._pending is not None
 
     @property
     def measuring(self) -> bool:
@@ -325,7 +327,8 @@ class HDITracker:
         measurement failed (so that every rank still takes part in `finish`)."""
         return self._scheduled is not None or self._pending is not None
 
-    def _start(self, step: int, batch: Any) -> bool:
+    def _start(self, step: int) -> None:
+        """Read the weights (the one read of this step) and set up the accumulators."""
         self.stop_capture()
         self._pending = None  # an unfinished earlier measurement (e.g. after an exception) is dropped
         self._notes = []
@@ -333,23 +336,23 @@ class HDITracker:
             self.setup()  # a model the monitor cannot watch fails here, before its first step
         with self._guard("measuring weights"), no_autocast():
             layers = self._revalidate()
-            # the one weight read of this step (angles from the same read on image steps)
+            # the one weight read of this step; on image steps the principal angles come from the
+            # same read (CPU weights: a copy, finished on the worker; gathered or accelerator
+            # weights: computed now)
+            work: list[AngleWork] = []
             report = compute_report(
                 layers,
                 projections=self.config.projections,
                 weighting=self.config.weighting,
                 fsdp_root=self.fsdp_root,
-                angles=self._image_step(step),
+                angles=work if self._image_step(step) and self.sinks else False,
             )
             accs: list[HeadCovarianceAccumulator | None] = [None] * len(layers)
             if self.activations:
                 accs = [
                     output_accumulator(la, max_tokens=self.config.max_tokens, generator=self.generator) for la in layers
                 ]
-            self._pending = _Pending(step=step, report=report, accumulators=accs)
-            self._attach(batch)
-            return True
-        return False
+            self._pending = _Pending(step=step, report=report, accumulators=accs, angle_work=work)
 
     def stop_capture(self) -> None:
         """Remove every hook (idempotent). Call before backward so recomputed forwards are not counted."""
@@ -421,7 +424,8 @@ class HDITracker:
         (eagerly: a ``torch.compile(model)`` wrapper's original module is called)."""
         step = self._step if step is None else step
         self._scheduled = step
-        if self._start(step, None) and inputs is not None and self.activations:
+        self._start(step)
+        if self._pending is not None and inputs is not None and self.activations:
             model = self._eager_model()
             # like head_diversity(inputs=...): eval mode (no dropout), restored afterwards
             with self._guard("running inputs through the model"), torch.no_grad(), eval_mode(model):
@@ -537,11 +541,10 @@ class HDITracker:
         if pending is None or not self.activations:
             return
         layers = self.layers
-        inside: dict[int, list[int]] = {}
-        plain: list[int] = []
-        for i, layer in enumerate(layers):
-            unit = next((k for k, u in enumerate(self._units) if u.contains(layer.name)), None)
-            (plain if unit is None else inside.setdefault(unit, [])).append(i)
+        # the compiled unit (index into self._units) each layer lies in, or None
+        unit_of = [next((k for k, u in enumerate(self._units) if u.contains(la.name)), None) for la in layers]
+        plain = [i for i, k in enumerate(unit_of) if k is None]
+        inside = {k: [i for i, u in enumerate(unit_of) if u == k] for k in dict.fromkeys(unit_of) if k is not None}
         if plain:
             self._handles += attach_output_hooks(
                 [layers[i] for i in plain],
@@ -661,7 +664,11 @@ class HDITracker:
         self._last_step = max(self._last_step, step)
         if image and self.sinks:
             with self._guard("preparing the dashboard images"):  # a failure costs the images only
-                if not self._submit(self._image_job(measurement, angles=True)):
+                job = self._image_job(measurement, angles=not pending.angle_work)
+                if pending.angle_work:
+                    late = partial(self._late_histograms, report, pending.angle_work)
+                    job = dataclasses.replace(job, late_histograms=late)
+                if not self._submit(job):
                     self._notes.append(
                         f"the dashboard images of step {step} were dropped: {self._worker.dropped} image step(s) so "
                         f"far found the drawing queue full (image_queue_size={config.image_queue_size}); draw "
@@ -696,6 +703,14 @@ class HDITracker:
             angles=angles,
         )
 
+    def _late_histograms(self, report: DiversityReport, work: list[AngleWork]) -> dict[str, Any]:
+        """On the worker: the deferred principal angles (into the record), then the histograms."""
+        fill_angles(report, work)
+        per_projection: dict[str, dict[str, Tensor]] = {
+            p: {la.name: la.angles[p] for la in report.layers if p in la.angles} for p in self.config.projections
+        }
+        return self.dashboard.histograms(per_projection)
+
     def _submit(self, job: ImageJob) -> bool:
         queued = self._worker.submit(job, self.sinks)
         if queued:
@@ -706,15 +721,21 @@ class HDITracker:
         """On the worker: the images and histograms of one job to every sink, each alone and under
         its lock."""
         failures: list[tuple[str, Exception]] = []
-        if not images and not job.histograms:
+        histograms = dict(job.histograms)
+        if job.late_histograms is not None:
+            try:
+                histograms.update(job.late_histograms())
+            except Exception as err:  # noqa: BLE001 - reported by the training thread
+                failures.append((f"computing the principal angles of step {job.step}", err))
+        if not images and not histograms:
             return failures
         for sink in sinks:
             try:
                 with self._locks(sink):
                     if images:
                         sink.log_images(dict(images), job.step)
-                    if job.histograms:
-                        sink.log_histograms(dict(job.histograms), job.step)
+                    if histograms:
+                        sink.log_histograms(dict(histograms), job.step)
                     sink.flush()
             except Exception as err:  # noqa: BLE001 - one sink's failure must not cost the others
                 failures.append((f"sink:{id(sink)}:{type(sink).__name__}:{job.step}", err))
