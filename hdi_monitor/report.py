@@ -297,8 +297,9 @@ def compute_report(
             from the same weights, while they are read (gathered) for the overlaps: the weights
             are read once whatever is asked. A list instead of True defers the work for weights
             that live whole on the CPU: their groups are appended to it as `AngleWork` (a CPU copy
-            of the weights, taken now), to be finished later, on another thread, with
-            `fill_angles`; sharded (gathered) and accelerator weights are done at once.
+            of the weights, taken now, at most `ANGLE_COPY_BYTES` in all), to be finished later, on
+            another thread, with `fill_angles`; sharded (gathered) and accelerator weights, and
+            groups past that size, are done at once.
     """
     checked = _check_projections(projections)
     check_choice("weighting", weighting, Weighting)
@@ -331,6 +332,7 @@ def compute_report(
                     isinstance(angles, list)
                     and stacked.device.type == "cpu"
                     and not gathers_weights(layers[idx[0]], fsdp_root)
+                    and sum(w.weights.nbytes for w in angles) + stacked.nbytes <= ANGLE_COPY_BYTES
                 )
                 if deferred:
                     cast("list[AngleWork]", angles).append(AngleWork(proj, tuple(idx), stacked.detach().clone()))
@@ -344,6 +346,10 @@ def compute_report(
     if not all(isinstance(s, SkippedModule) for s in skipped):
         raise TypeError("skipped must be a sequence of SkippedModule (see discover_attention)")
     return DiversityReport(layers=results, projections=checked, weighting=weighting, skipped=list(skipped))
+
+
+#: Most bytes of CPU weights copied per measured step for angles finished later (past it: at once).
+ANGLE_COPY_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
