@@ -129,7 +129,7 @@ def long_run(steps: int, marks: tuple[int, int]) -> dict[str, Any]:
         "images_per_step": sink.image_count[first],
         "image_steps": len(range(0, steps, IMAGES_EVERY)),
         "written_steps": len(written),
-        "dropped": tracker._worker.dropped,
+        "dropped": tracker.publisher.dropped,
         "sizes": sizes,
         "held_plain": statistics.median(held_plain),
         "held_image": statistics.median(held_image),

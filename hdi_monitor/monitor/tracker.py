@@ -9,8 +9,9 @@ the same order) and the state for resume. Everything else lives in modules named
 * `hdi_monitor.monitor.record`: the typed record of a measured step (`Measurement`);
 * `hdi_monitor.monitor.tags`: record -> scalar tags; `hdi_monitor.monitor.history`: the bounded
   columnar history; `hdi_monitor.monitor.detector`: the early warnings;
-* `hdi_monitor.monitor.dashboard` and `hdi_monitor.monitor.render`: what the pictures show, drawn
-  off the training step by `hdi_monitor.monitor.worker`;
+* `hdi_monitor.monitor.publish`: the record to the sinks (scalars on the training thread,
+  pictures prepared by `hdi_monitor.monitor.dashboard`, drawn by `hdi_monitor.monitor.render` on
+  the background `hdi_monitor.monitor.worker`);
 * `hdi_monitor.monitor.compiled`: head outputs of torch.compile'd models;
 * `hdi_monitor.monitor.config`: the settings, read from ``tracker.config`` (never copied).
 
@@ -54,14 +55,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from hdi_monitor.exceptions import MonitoringWarning
 from hdi_monitor.functional._numerics import no_autocast
@@ -99,12 +99,12 @@ from hdi_monitor.monitor.config import (
 from hdi_monitor.monitor.dashboard import Dashboard
 from hdi_monitor.monitor.detector import DiversityEvent, DiversityWarning, feed_report
 from hdi_monitor.monitor.history import History
-from hdi_monitor.monitor.record import Measurement, layer_tag
-from hdi_monitor.monitor.render import ImageJob, Renderer, render_job
+from hdi_monitor.monitor.publish import Publisher
+from hdi_monitor.monitor.record import Measurement
+from hdi_monitor.monitor.render import Renderer, render_job
 from hdi_monitor.monitor.sinks import Sink, TensorBoardSink
 from hdi_monitor.monitor.tags import scalar_tags
-from hdi_monitor.monitor.worker import ImageWorker, SinkLocks
-from hdi_monitor.report import AngleWork, DiversityReport, compute_report, fill_angles
+from hdi_monitor.report import AngleWork, compute_report
 
 __all__ = [
     "HDITracker",
@@ -201,7 +201,6 @@ class HDITracker:
         if fsdp_root is None and is_fsdp1_module(model):
             fsdp_root = model
         self.fsdp_root: nn.Module | None = fsdp_root
-        self.renderer: Renderer = renderer if renderer is not None else render_job
 
         self.history = History(config.history_budget)
         self.events: list[DiversityEvent] = []
@@ -215,20 +214,36 @@ class HDITracker:
         self._units: list[CompiledUnit] = []  # compiled parts of the model (never hooked)
         self._notes: list[str] = []  # MonitoringWarning lines of the measurement under way (one warning)
         self._invalid_seen: set[tuple[str, str]] = set()  # (layer, projection) already warned about
-        self._failed_sinks: set[int] = set()  # id() of sinks that failed once (warned once)
         self._pending: _Pending | None = None
         self._scheduled: int | None = None  # step of the measurement under way (set even if it failed)
         self._handles: list[Any] = []
         self._last_step = -1
         self._step = 0  # own step counter for step()/capture()
-        self._imaged_step: int | None = None  # last step whose pictures were queued
-        self.dashboard = Dashboard(  # layout, summary scalars, pictures
+        dashboard = Dashboard(  # layout, summary scalars, pictures
             loss_tag=config.loss_tag,
             max_image_layers=config.max_image_layers,
             max_histogram_layers=config.max_histogram_layers,
         )
-        self._locks = SinkLocks()
-        self._worker = ImageWorker(lambda job: self.renderer(job), self._write_pictures, config.image_queue_size)
+        # the sinks' side: scalars here, pictures on a background worker
+        self.publisher = Publisher(config, dashboard, renderer if renderer is not None else render_job)
+
+    @property
+    def dashboard(self) -> Dashboard:
+        """Layout, summary scalars and pictures of this run (`Dashboard`)."""
+        return self.publisher.dashboard
+
+    @dashboard.setter
+    def dashboard(self, dashboard: Dashboard) -> None:
+        self.publisher.dashboard = dashboard
+
+    @property
+    def renderer(self) -> Renderer:
+        """Draws the pictures of an image step on the background worker (see ``renderer``)."""
+        return self.publisher.renderer
+
+    @renderer.setter
+    def renderer(self, renderer: Renderer) -> None:
+        self.publisher.renderer = renderer
 
     @property
     def activations(self) -> bool:
@@ -437,11 +452,8 @@ class HDITracker:
 
     def flush(self) -> None:
         """Wait until every queued picture is written, report what failed, flush the sinks."""
-        self._worker.wait()
-        self._report_worker_notes()
-        for sink in self.sinks:
-            with self._guard("flushing a sink"), self._locks(sink):
-                sink.flush()
+        with self._guard("flushing the sinks"):
+            self.publisher.flush(self.sinks)
 
     def close(self) -> None:
         """End of a run (or an exception): remove hooks, drop any unfinished measurement, draw the
@@ -450,13 +462,8 @@ class HDITracker:
         self.stop_capture()
         self._pending = None
         self._scheduled = None
-        last = self.last_measurement
-        if last is not None and self._imaged_step != last.step and self.config.image_every_n_steps and self.sinks:
-            with self._guard("drawing the last measured step"):
-                job = self._image_job(last, angles=False)
-                self._worker.wait()  # room in the queue: the last pictures are never dropped
-                self._submit(job)
-        self._worker.close()
+        with self._guard("drawing the last measured step"):
+            self.publisher.finish_run(self.last_measurement, self.history, self.sinks, activations=self.activations)
         self.flush()
 
     # ------------------------------------------------------------------ state
@@ -664,18 +671,13 @@ class HDITracker:
         self._last_step = max(self._last_step, step)
         if image and self.sinks:
             with self._guard("preparing the dashboard images"):  # a failure costs the images only
-                job = self._image_job(measurement, angles=not pending.angle_work)
-                if pending.angle_work:
-                    late = partial(self._late_histograms, report, pending.angle_work)
-                    job = dataclasses.replace(job, late_histograms=late)
-                if not self._submit(job):
-                    self._notes.append(
-                        f"the dashboard images of step {step} were dropped: {self._worker.dropped} image step(s) so "
-                        f"far found the drawing queue full (image_queue_size={config.image_queue_size}); draw "
-                        "less often (log_images_every_n_steps) or enlarge the queue"
-                    )
+                dropped = self.publisher.queue_pictures(
+                    measurement, self.history, self.sinks, activations=self.activations, angle_work=pending.angle_work
+                )
+                if dropped is not None:
+                    self._notes.append(dropped)
         self._notes += invalid_head_notes(report, config.projections, self._invalid_seen)
-        self._notes += self._worker_notes()
+        self._notes += self.publisher.worker_notes()
         notes, self._notes = self._notes, []
         if notes:
             lines = "\n  ".join(notes)
@@ -686,124 +688,12 @@ class HDITracker:
                 rank_zero_only=True,
             )
         self._dispatch(step, events)
-        self._write(measurement)
+        self.publisher.write(measurement, self.sinks, activations=self.activations)
         return measurement
 
     def _image_step(self, step: int) -> bool:
         every = self.config.image_every_n_steps
         return bool(every) and step % every == 0
-
-    def _image_job(self, m: Measurement, *, angles: bool) -> ImageJob:
-        return self.dashboard.image_job(
-            m.report,
-            self.history,
-            step=m.step,
-            projections=self.config.projections,
-            activations=self.activations,
-            angles=angles,
-        )
-
-    def _late_histograms(self, report: DiversityReport, work: list[AngleWork]) -> dict[str, Any]:
-        """On the worker: the deferred principal angles (into the record), then the histograms."""
-        fill_angles(report, work)
-        per_projection: dict[str, dict[str, Tensor]] = {
-            p: {la.name: la.angles[p] for la in report.layers if p in la.angles} for p in self.config.projections
-        }
-        return self.dashboard.histograms(per_projection)
-
-    def _submit(self, job: ImageJob) -> bool:
-        queued = self._worker.submit(job, self.sinks)
-        if queued:
-            self._imaged_step = job.step
-        return queued
-
-    def _write_pictures(self, job: ImageJob, images: dict[str, bytes], sinks: Sequence[Sink]) -> list[Any]:
-        """On the worker: the images and histograms of one job to every sink, each alone and under
-        its lock."""
-        failures: list[tuple[str, Exception]] = []
-        histograms = dict(job.histograms)
-        if job.late_histograms is not None:
-            try:
-                histograms.update(job.late_histograms())
-            except Exception as err:  # noqa: BLE001 - reported by the training thread
-                failures.append((f"computing the principal angles of step {job.step}", err))
-        if not images and not histograms:
-            return failures
-        for sink in sinks:
-            try:
-                with self._locks(sink):
-                    if images:
-                        sink.log_images(dict(images), job.step)
-                    if histograms:
-                        sink.log_histograms(dict(histograms), job.step)
-                    sink.flush()
-            except Exception as err:  # noqa: BLE001 - one sink's failure must not cost the others
-                failures.append((f"sink:{id(sink)}:{type(sink).__name__}:{job.step}", err))
-        return failures
-
-    def _worker_notes(self) -> list[str]:
-        """Failures of the worker since the last call, as note lines (a sink's failure only the
-        first time); strict: raise the first."""
-        lines = []
-        for what, err in self._worker.take_notes():
-            if self.config.strict:
-                raise err
-            if what.startswith("sink:"):
-                _, ident, name, step = what.split(":", 3)
-                if int(ident) in self._failed_sinks:
-                    continue
-                self._failed_sinks.add(int(ident))
-                lines.append(
-                    f"sink {name} failed writing the images of step {step} ({type(err).__name__}: {err}); its "
-                    "later failures are not reported again"
-                )
-            else:
-                lines.append(f"error while {what} ({type(err).__name__}: {err}); those images are skipped")
-        return lines
-
-    def _report_worker_notes(self) -> None:
-        notes = self._worker_notes()
-        if notes:
-            warn("hdi-monitor: " + "; ".join(notes), MonitoringWarning, rank_zero_only=True)
-
-    def _write(self, m: Measurement) -> None:
-        """Scalars, layout, levels and events to every sink, each guarded alone and under its lock:
-        a failing sink loses only its own write."""
-        if not self.sinks:
-            return
-        projections = self.config.projections
-        layout = levels = None
-        if not self.dashboard.layout_written:
-            names: dict[str, list[str]] = {
-                p: [layer_tag(la.name) for la in m.report.layers if la.hdi.get(p) is not None] for p in projections
-            }
-            layout = self.dashboard.layout(names, activations=self.activations)
-            levels = self.dashboard.levels_text(m.report, projections)
-            self.dashboard.layout_written = True
-        first_error: Exception | None = None
-        for sink in self.sinks:
-            try:
-                with self._locks(sink):
-                    if layout is not None:
-                        sink.log_layout(layout)
-                    if levels is not None:
-                        sink.log_text("hdi_levels", levels, m.step)
-                    sink.log_scalars(dict(m.scalars), m.step)
-                    for event in m.events:
-                        sink.log_text(f"diversity_events/{event.kind}", event.message, m.step)
-                    sink.flush()
-            except Exception as err:  # noqa: BLE001 - one sink's failure must not cost the others
-                first_error = first_error or err
-                if id(sink) not in self._failed_sinks and not self.config.strict:
-                    self._failed_sinks.add(id(sink))
-                    warn(
-                        f"hdi-monitor: sink {type(sink).__name__} failed at step {m.step} ({type(err).__name__}: {err}); "
-                        "its write is skipped, the other sinks, history and events are kept. Later failures of "
-                        "this sink are not reported again.",
-                        MonitoringWarning,
-                    )
-        if first_error is not None and self.config.strict:
-            raise first_error
 
     def _dispatch(self, step: int, events: list[DiversityEvent]) -> None:
         """The events of one measured step: a callable gets each one; otherwise at most one
