@@ -24,6 +24,7 @@ from hdi_monitor.functional.diversity import (
     head_diversity_index,
     invalid_heads,
     max_hdi,
+    pairwise_principal_angles,
     subspace_overlap,
 )
 from hdi_monitor.models import AttentionLayer, AttentionSpec, SkippedModule, discover_attention
@@ -32,11 +33,13 @@ from hdi_monitor.models.discovery import skipped_message
 from hdi_monitor.models.sharding import full_weights, gathers_weights, is_fsdp1_module
 
 __all__ = [
+    "AngleWork",
     "DiversityReport",
     "LayerDiversity",
     "Progress",
     "Projection",
     "compute_report",
+    "fill_angles",
     "head_diversity",
     "weight_groups",
 ]
@@ -58,7 +61,12 @@ class LayerDiversity:
     projection's own input width (``kdim`` for keys of a cross-attention with ``kdim != D``).
     ``overlap`` holds CPU float32 ``(heads, heads)`` matrices with NaN rows/columns for invalid
     (all-zero or non-finite) heads. The activation fields are filled only when the report was made
-    with ``inputs``.
+    with ``inputs``. ``angles`` (filled only when asked for, see `compute_report`) holds, per
+    projection, the principal angles in degrees of every valid head pair ``i < j`` (CPU float32,
+    flattened), computed from the same weight read as the overlaps.
+
+    More per-layer results are added as optional fields with a default (None or empty), so that
+    every reader of a report (tags, dashboards, detector, CLI) keeps working when one is added.
     """
 
     name: str
@@ -79,6 +87,7 @@ class LayerDiversity:
     variance_ratio: float | None = None
     num_tokens: int | None = None
     notes: tuple[str, ...] = ()
+    angles: dict[str, Tensor] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (NaN becomes None)."""
@@ -264,6 +273,7 @@ def compute_report(
     fsdp_root: nn.Module | None = None,
     skipped: Sequence[SkippedModule] = (),
     progress: Progress | None = None,
+    angles: bool | list[AngleWork] = False,
 ) -> DiversityReport:
     """Weight-based diversity of already-found attention layers.
 
@@ -283,6 +293,13 @@ def compute_report(
         progress: called with the number of layers measured after each group, for one
             projection (``len(layers) * len(projections)`` in all); ``tqdm(total=...).update``
             fits.
+        angles: also compute the principal angles of every head pair (`LayerDiversity.angles`)
+            from the same weights, while they are read (gathered) for the overlaps: the weights
+            are read once whatever is asked. A list instead of True defers the work for weights
+            that live whole on the CPU: their groups are appended to it as `AngleWork` (a CPU copy
+            of the weights, taken now, at most `ANGLE_COPY_BYTES` in all), to be finished later, on
+            another thread, with `fill_angles`; sharded (gathered) and accelerator weights, and
+            groups past that size, are done at once.
     """
     checked = _check_projections(projections)
     check_choice("weighting", weighting, Weighting)
@@ -310,6 +327,18 @@ def compute_report(
                 results[i].max_hdi[proj] = max_hdi(num_heads=heads, head_dim=d, model_dim=d_in)
             overlap = subspace_overlap(stacked, weighting)
             pending.append((proj, idx, overlap, head_diversity_index(overlap), invalid_heads(stacked)))
+            if angles is not False and heads >= 2:
+                deferred = (
+                    isinstance(angles, list)
+                    and stacked.device.type == "cpu"
+                    and not gathers_weights(layers[idx[0]], fsdp_root)
+                    and sum(w.weights.nbytes for w in angles) + stacked.nbytes <= ANGLE_COPY_BYTES
+                )
+                if deferred:
+                    cast("list[AngleWork]", angles).append(AngleWork(proj, tuple(idx), stacked.detach().clone()))
+                else:
+                    for i, row in zip(idx, _pair_angles(stacked), strict=True):
+                        results[i].angles[proj] = row
             del stacked  # a gathered layer is freed before the next one
             if progress is not None:
                 progress(len(idx))
@@ -317,6 +346,40 @@ def compute_report(
     if not all(isinstance(s, SkippedModule) for s in skipped):
         raise TypeError("skipped must be a sequence of SkippedModule (see discover_attention)")
     return DiversityReport(layers=results, projections=checked, weighting=weighting, skipped=list(skipped))
+
+
+#: Most bytes of CPU weights copied per measured step for angles finished later (past it: at once).
+ANGLE_COPY_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class AngleWork:
+    """Principal angles left to compute (see `compute_report`'s ``angles``): a CPU copy of the
+    ``(L, H, D, d)`` weights of the layers ``indices`` (positions in the report) for one
+    projection."""
+
+    projection: str
+    indices: tuple[int, ...]
+    weights: Tensor
+
+
+def fill_angles(report: DiversityReport, work: Sequence[AngleWork]) -> None:
+    """Compute deferred principal angles into ``report.layers[i].angles`` (thread-safe against
+    readers: each entry is set once, whole)."""
+    with torch.no_grad():
+        for item in work:
+            for i, row in zip(item.indices, _pair_angles(item.weights), strict=True):
+                report.layers[i].angles[item.projection] = row
+
+
+def _pair_angles(stacked: Tensor) -> list[Tensor]:
+    """Principal angles in degrees of every head pair ``i < j``, per layer of ``stacked`` (``(L, H,
+    D, d)``): CPU float32, flattened, NaN (invalid heads) dropped."""
+    angles = pairwise_principal_angles(stacked)  # (L, H, H, d)
+    h = angles.shape[1]
+    i, j = torch.triu_indices(h, h, offset=1, device=angles.device)
+    picked = torch.rad2deg(angles[:, i, j].flatten(1)).float().cpu()
+    return [row[~torch.isnan(row)] for row in picked]
 
 
 def _collect(pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]], results: list[LayerDiversity]) -> None:

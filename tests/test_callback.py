@@ -11,7 +11,7 @@ import torch
 from conftest import loader, read_events, scalar_series, tiny_lm, trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from hdi_monitor import DiversityWarning, HDIMonitor, SaturationDetector, head_diversity
+from hdi_monitor import DiversityWarning, HDIMonitor, MonitoringWarning, SaturationDetector, head_diversity
 from hdi_monitor.contrib.demo import CharLM
 
 PROJECTIONS = ("query", "key", "value", "output")
@@ -64,7 +64,7 @@ def test_images_and_histograms_at_image_steps(tb_run):
     for acc in accs:
         for tag in acc.Tags()["images"]:
             events = acc.Images(tag)
-            assert [e.step for e in events] == [0, 6]
+            assert [e.step for e in events] == [0, 6, 9]  # image steps, and the last measured step (9)
             assert events[0].width >= 400 and events[0].height >= 200  # a figure with labels and a colour bar
     hists = {t: acc.Histograms(t) for acc in accs for t in acc.Tags()["histograms"]}
     assert set(hists) == {f"principal_angles_deg/{p}/{n}" for p in PROJECTIONS for n in LAYERS}  # per layer
@@ -179,6 +179,27 @@ def test_resume_continues_history_without_duplicates(tmp_path):
     accs = read_events(tmp_path / "tb")
     series = scalar_series(accs, f"hdi/key/{LAYERS[0]}")  # asserts no step appears twice across files
     assert sorted(series) == [0, 2, 4, 6, 8]
+
+
+def test_resume_with_changed_settings_keeps_history_and_says_what_changed(tmp_path):
+    """Issue 23 item 9 under Lightning: the callback's state key does not carry every_n_steps or
+    projections, so a run resumed with other settings gets its history back, minus the series of a
+    projection no longer measured, and one MonitoringWarning names each change."""
+    ckpt_cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=4)
+    monitor = HDIMonitor(every_n_steps=2, projections=("key", "query"), activations=False, strict=True, detector=None)
+    t = trainer(tmp_path, [monitor, ckpt_cb], max_steps=4, enable_checkpointing=True)
+    t.fit(tiny_lm(lr=1e-3), loader())
+    monitor2 = HDIMonitor(every_n_steps=3, projections=("key",), activations=False, strict=True, detector=None)
+    t2 = trainer(tmp_path, [monitor2], max_steps=7)
+    with pytest.warns(MonitoringWarning, match="resumed with changed settings") as record:
+        t2.fit(tiny_lm(lr=1e-3), loader(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    text = next(str(w.message) for w in record if "resumed with changed settings" in str(w.message))
+    assert "every_n_steps 2 -> 3" in text
+    assert "projections ('key', 'query') -> ('key',): query no longer measured" in text
+    assert [h["step"] for h in monitor2.history] == [0, 2, 6]
+    key = f"hdi/key/{LAYERS[0]}"
+    assert [h[key] for h in monitor2.history[:2]] == [h[key] for h in monitor.history]
+    assert not any(tag.startswith("hdi/query") for h in monitor2.history for tag in h)
 
 
 def test_fit_twice_on_one_trainer_continues_history_and_detector(tmp_path):

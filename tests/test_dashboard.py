@@ -8,7 +8,6 @@ counts derived from the model's shape for the histograms.
 from __future__ import annotations
 
 import io
-import json
 import math
 import re
 
@@ -20,7 +19,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from hdi_monitor.monitor.dashboard import Dashboard
 from hdi_monitor.monitor.detector import SaturationDetector
-from hdi_monitor.monitor.render import PNG_DATA_KEY
+from hdi_monitor.monitor.render import ImageJob, diversity_map, render_job
 from hdi_monitor.monitor.tracker import HDITracker
 
 PROJECTIONS = ("query", "key", "value", "output")
@@ -38,6 +37,12 @@ def _train(tmp_path, num_layers: int, *, steps: int = 5, images_every: int = 2, 
     the loop logs its own loss as ``train/loss``."""
     model = _encoder(num_layers)
     writer = SummaryWriter(str(tmp_path))
+    jobs: list[ImageJob] = []
+
+    def renderer(job: ImageJob) -> dict[str, bytes]:  # the seam: keep what was drawn, draw as usual
+        jobs.append(job)
+        return render_job(job)
+
     tracker = HDITracker(
         model,
         every_n_steps=1,
@@ -47,6 +52,7 @@ def _train(tmp_path, num_layers: int, *, steps: int = 5, images_every: int = 2, 
         detector=detector,
         activation_detector=None,
         max_tokens=None,
+        renderer=renderer,
     )
     if dashboard is not None:
         tracker.dashboard = dashboard
@@ -61,7 +67,9 @@ def _train(tmp_path, num_layers: int, *, steps: int = 5, images_every: int = 2, 
         writer.add_scalar("train/loss", float(loss.detach()), step)
         optimizer.step()
         optimizer.zero_grad()
+    tracker.close()
     writer.close()
+    tracker.jobs = jobs  # type: ignore[attr-defined]
     return model, tracker, read_events(tmp_path)
 
 
@@ -83,7 +91,12 @@ def _png(event):
 
     picture = Image.open(io.BytesIO(event.encoded_image_string))
     picture.load()
-    return picture, json.loads(picture.text[PNG_DATA_KEY])
+    return picture
+
+
+def _job(tracker, step):
+    (job,) = [j for j in tracker.jobs if j.step == step]
+    return job
 
 
 def _images(accs):
@@ -163,15 +176,16 @@ def test_deep_overlap_image_shows_the_layers_that_moved_most(deep):
     _, tracker, accs = deep
     k = tracker.dashboard.max_image_layers
     events = _images(accs)["overlap/key"]
+    assert [e.step for e in events] == [0, 2, 4]
     names = [f"layers.{i}.self_attn" for i in range(24)]
     series = {n: scalar_series(accs, f"hdi/key/{n}") for n in names}
-    _, first = _png(events[0])
+    first = next(t for t in _job(tracker, 0).tiles if t.tag == "overlap/key")
     evenly = [names[round(i * 23 / (k - 1))] for i in range(k)]
-    assert [t.split("\n")[0] for t in first["titles"]] == evenly
-    _, second = _png(events[1])  # step 2 against the image step 0
+    assert [t.split("\n")[0] for t in first.titles] == evenly
+    second = next(t for t in _job(tracker, 2).tiles if t.tag == "overlap/key")  # step 2 against step 0
     moved = sorted(names, key=lambda n: -abs(series[n][2] - series[n][0]))[:k]
-    assert [t.split("\n")[0] for t in second["titles"]] == [n for n in names if n in moved]
-    for title in second["titles"]:
+    assert [t.split("\n")[0] for t in second.titles] == [n for n in names if n in moved]
+    for title in second.titles:
         name, value = title.split("\n")
         assert float(value.split()[1]) == pytest.approx(series[name][2], abs=5e-4)
 
@@ -180,17 +194,25 @@ def test_diversity_map_has_a_row_per_layer_and_a_column_per_measured_step(deep):
     from matplotlib import colormaps
     from matplotlib.colors import TwoSlopeNorm
 
-    _, _, accs = deep
+    _, tracker, accs = deep
     events = _images(accs)["diversity_map/key"]
     assert [e.step for e in events] == [0, 2, 4]
-    picture, data = _png(events[-1])
+    picture = _png(events[-1])
+    assert not picture.text  # no data payload in production PNGs
+    (panel,) = [m for m in _job(tracker, 4).maps if m.tag == "diversity_map/key"]
     names = [f"layers.{i}.self_attn" for i in range(24)]
-    assert data["rows"] == names
-    assert data["columns"] == [0, 1, 2, 3, 4]
+    assert list(panel.layers) == names
+    assert list(panel.steps) == [0, 1, 2, 3, 4]
     chance = scalar_series(accs, "hdi_chance/key")[4]
-    assert data["chance"] == pytest.approx(chance)
+    assert panel.chance == pytest.approx(chance)
+    # the same panel drawn again gives the same PNG, and tells where the map body lies
+    geometry: dict = {}
+    again = diversity_map(
+        panel.values, layers=panel.layers, steps=panel.steps, chance=panel.chance, title=panel.title, geometry=geometry
+    )
+    assert again == events[-1].encoded_image_string
     # the pixel at the centre of every cell has the colour of that layer's HDI at that step
-    left, top, right, bottom = data["body_px"]
+    left, top, right, bottom = geometry["body_px"]
     width, height = (right - left) / 5, (bottom - top) / 24
     assert width >= 10 and height >= 10
     rgb = picture.convert("RGB")

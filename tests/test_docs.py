@@ -265,7 +265,7 @@ def test_readme_quick_start_is_a_real_run(tmp_path, monkeypatch):
     exec(compile(_prepared(quick), quick.where, "exec"), namespace)  # noqa: S102
     trainer = namespace["trainer"]
     (monitor,) = [c for c in trainer.callbacks if type(c).__name__ == "HDIMonitor"]
-    assert trainer.global_step > monitor.every_n_steps  # at least two measurements
+    assert trainer.global_step > monitor.config.every_n_steps  # at least two measurements
     series = scalar_series(read_events(tmp_path / "runs"), "hdi/key/mean")
-    assert sorted(series) == list(range(0, trainer.global_step, monitor.every_n_steps))
+    assert sorted(series) == list(range(0, trainer.global_step, monitor.config.every_n_steps))
     assert all(0.0 < v <= 1.0 for v in series.values())

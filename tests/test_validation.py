@@ -162,7 +162,7 @@ def test_one_settings_object_shared_by_the_tracker_and_both_callbacks():
         HDIMonitor(base)  # type: ignore[arg-type]
     tracker = HDITracker(nn.MultiheadAttention(8, 2), base, max_tokens=16)
     assert tracker.config == expected
-    assert (tracker.every_n_steps, tracker.max_tokens, tracker.log_images_every_n_steps) == (7, 16, 70)
+    assert (tracker.config.every_n_steps, tracker.config.max_tokens, tracker.config.image_every_n_steps) == (7, 16, 70)
 
 
 def test_default_activation_detector_follows_the_hdi_detector():

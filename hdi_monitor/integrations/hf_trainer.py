@@ -69,6 +69,7 @@ from hdi_monitor._validation import check_bool
 from hdi_monitor.functional.diversity import Weighting
 from hdi_monitor.models.spec import AttentionSpec
 from hdi_monitor.monitor.config import DEFAULTS, DetectorArg, EventAction, MonitorConfig, check_detector
+from hdi_monitor.monitor.history import History
 from hdi_monitor.monitor.tracker import HDITracker, Measurement
 from hdi_monitor.report import Projection
 
@@ -174,6 +175,12 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
             the layers whose HDI moved most since the last image step).
         max_histogram_layers: layers with a principal-angle histogram of their own; with more,
             adjacent layers are grouped into this many histograms.
+        history_budget: measured steps kept in the history, the checkpoint and the diversity
+            map's columns (at least 4): the newest half in full, older ones downsampled (see
+            `hdi_monitor.monitor.history.History`); memory stays flat however long the run.
+        image_queue_size: image steps waiting to be drawn on the background thread at most; an
+            image step that finds the queue full has its pictures dropped (noted in a warning),
+            so drawing never holds the training step.
         detector: the early-warning detector of the HDI series: a configured
             `SaturationDetector`, ``"default"`` (``SaturationDetector()``) or None (off). Each
             ``trainer.train()`` gets an untouched copy.
@@ -210,6 +217,8 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
         loss_tag: str | None = DEFAULTS.loss_tag,
         max_image_layers: int = DEFAULTS.max_image_layers,
         max_histogram_layers: int = DEFAULTS.max_histogram_layers,
+        history_budget: int = DEFAULTS.history_budget,
+        image_queue_size: int = DEFAULTS.image_queue_size,
         detector: DetectorArg = "default",
         activation_detector: DetectorArg = "default",
         measure_at_start: bool = True,
@@ -236,6 +245,8 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
             loss_tag=loss_tag,
             max_image_layers=max_image_layers,
             max_histogram_layers=max_histogram_layers,
+            history_budget=history_budget,
+            image_queue_size=image_queue_size,
         )
         self.detector = check_detector("detector", detector)
         self.activation_detector = check_detector("activation_detector", activation_detector)
@@ -254,13 +265,10 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
             "measure_at_start": measure_at_start,
             "log_dir": log_dir,
         }
-        self.every_n_steps = self.config.every_n_steps
         self.activations = self.config.activations
         self.measure_at_start = measure_at_start
         self.writer = writer
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
-        self.on_saturation = self.config.on_saturation
-        self.strict = self.config.strict
         self.tracker: HDITracker | None = None
         self._own_writer: Any = None
         self._root_handles: list[Any] = []
@@ -286,11 +294,11 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
 
     # ------------------------------------------------------------------ results
     @property
-    def history(self) -> list[dict[str, float]]:
-        """Every measured step's scalars (``{"step": k, "hdi/key/<layer>": ..., ...}``)."""
+    def history(self) -> History:
+        """The measured steps' scalars, bounded (rows read ``{"step": k, "hdi/key/<layer>": ..., ...}``)."""
         if self.tracker is not None:
             return self.tracker.history
-        return list((self._restored_state or {}).get("history", []))
+        return History.from_state((self._restored_state or {}).get("history", []), self.config.history_budget)
 
     @property
     def last_measurement(self) -> Measurement | None:
@@ -400,5 +408,5 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
             self.tracker.stop_capture()
 
     def _check_stop(self, control: Any) -> None:
-        if self.on_saturation == "stop" and self.tracker is not None and self.tracker.stop_requested:
+        if self.config.on_saturation == "stop" and self.tracker is not None and self.tracker.stop_requested:
             control.should_training_stop = True

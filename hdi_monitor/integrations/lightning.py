@@ -31,6 +31,7 @@ from hdi_monitor.integrations.loggers import sinks_for_loggers
 from hdi_monitor.models.sharding import contains_fsdp1
 from hdi_monitor.models.spec import AttentionSpec
 from hdi_monitor.monitor.config import DEFAULTS, DetectorArg, EventAction, MonitorConfig, check_detector
+from hdi_monitor.monitor.history import History
 from hdi_monitor.monitor.tracker import HDITracker, Measurement
 from hdi_monitor.report import Projection
 
@@ -113,6 +114,12 @@ class HDIMonitor(Callback):
             the layers whose HDI moved most since the last image step).
         max_histogram_layers: layers with a principal-angle histogram of their own; with more,
             adjacent layers are grouped into this many histograms.
+        history_budget: measured steps kept in the history, the checkpoint and the diversity
+            map's columns (at least 4): the newest half in full, older ones downsampled (see
+            `hdi_monitor.monitor.history.History`); memory stays flat however long the run.
+        image_queue_size: image steps waiting to be drawn on the background thread at most; an
+            image step that finds the queue full has its pictures dropped (noted in a warning),
+            so drawing never holds the training step.
         detector: the early-warning detector of the HDI series (saturation, collapse, redundant
             pairs): a configured `SaturationDetector`, ``"default"`` (``SaturationDetector()``:
             ``patience=10``, ``min_delta=0.002``, ``warmup_steps=1000``, ``collapse_delta=0.05``,
@@ -154,6 +161,8 @@ class HDIMonitor(Callback):
         loss_tag: str | None = DEFAULTS.loss_tag,
         max_image_layers: int = DEFAULTS.max_image_layers,
         max_histogram_layers: int = DEFAULTS.max_histogram_layers,
+        history_budget: int = DEFAULTS.history_budget,
+        image_queue_size: int = DEFAULTS.image_queue_size,
         detector: DetectorArg = "default",
         activation_detector: DetectorArg = "default",
         state_key: str | None = None,
@@ -181,13 +190,11 @@ class HDIMonitor(Callback):
             loss_tag=loss_tag,
             max_image_layers=max_image_layers,
             max_histogram_layers=max_histogram_layers,
+            history_budget=history_budget,
+            image_queue_size=image_queue_size,
         )
         self.detector = check_detector("detector", detector)
         self.activation_detector = check_detector("activation_detector", activation_detector)
-        self.every_n_steps = self.config.every_n_steps
-        self.projections = self.config.projections
-        self.on_saturation = self.config.on_saturation
-        self.strict = self.config.strict
         self._state_key = state_key
         self.tracker: HDITracker | None = None
         self._restored: dict[str, Any] | None = None
@@ -213,12 +220,16 @@ class HDIMonitor(Callback):
     def state_key(self) -> str:
         if self._state_key is not None:
             return self._generate_state_key(key=self._state_key)
-        return self._generate_state_key(every_n_steps=self.every_n_steps, projections=self.projections)
+        # not the settings: a run resumed with another every_n_steps or projections gets its state
+        # back (and is told what changed); two monitors in one Trainer need a state_key each
+        return self._generate_state_key()
 
     @property
-    def history(self) -> list[dict[str, float]]:
-        """Every measured step's scalars (``{"step": s, "hdi/key/<layer>": ..., ...}``)."""
-        return self.tracker.history if self.tracker is not None else list((self._restored or {}).get("history", []))
+    def history(self) -> History:
+        """The measured steps' scalars, bounded (rows read ``{"step": s, "hdi/key/<layer>": ..., ...}``)."""
+        if self.tracker is not None:
+            return self.tracker.history
+        return History.from_state((self._restored or {}).get("history", []), self.config.history_budget)
 
     @property
     def last_measurement(self) -> Measurement | None:
@@ -306,7 +317,7 @@ class HDIMonitor(Callback):
             # what stock callbacks (EarlyStopping, ModelCheckpoint) read, under the logged names
             for tag, value in published_metrics(measurement.scalars).items():
                 trainer.callback_metrics[tag] = torch.tensor(value, dtype=torch.float64)
-        if self.on_saturation == "stop":
+        if self.config.on_saturation == "stop":
             # collective: every rank measures the same steps, so every rank reaches this call
             stop = trainer.strategy.reduce_boolean_decision(self.tracker.stop_requested, all=False)
             if stop:

@@ -1,16 +1,19 @@
 """Cheap revalidation of the watched layers (module identity, submodules, parameter shapes) and the
-messages the tracker writes when they change."""
+messages the tracker writes when they change or hold dead heads."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
 from hdi_monitor.models import AttentionLayer
+from hdi_monitor.monitor.record import layer_tag
+from hdi_monitor.report import DiversityReport
 
-__all__ = ["describe_change", "heads_text", "naming_hint", "signature", "submodule"]
+__all__ = ["describe_change", "heads_text", "invalid_head_notes", "naming_hint", "signature", "submodule"]
 
 
 def signature(module: nn.Module | None, path: str | None) -> tuple[Any, ...]:
@@ -58,3 +61,21 @@ def naming_hint(model: nn.Module, limit: int = 10) -> str:
         "do not know with spec=hdi_monitor.AttentionSpec(modules=..., query=..., key=..., value=..., output=..., "
         "num_heads=...)."
     )
+
+
+def invalid_head_notes(report: DiversityReport, projections: Sequence[str], seen: set[tuple[str, str]]) -> list[str]:
+    """One note the first time a layer and projection has dead (all-zero) or non-finite heads
+    (``seen`` remembers the pairs already noted, and is updated)."""
+    notes = []
+    for layer in report.layers:
+        for projection in projections:
+            bad = layer.invalid_heads.get(projection) or []
+            if bad and (layer.name, projection) not in seen:
+                seen.add((layer.name, projection))
+                total = layer.num_kv_heads if projection in ("key", "value") else layer.num_heads
+                notes.append(
+                    f"{layer.name} ({projection}): head(s) {bad} are dead (all zero) or non-finite; "
+                    f"its HDI is over the {total - len(bad)} valid head(s) of {total} "
+                    f"(scalar invalid_heads/{projection}/{layer_tag(layer.name)})"
+                )
+    return notes

@@ -28,6 +28,7 @@ from hdi_monitor.models import PROJECTIONS, AttentionSpec
 from hdi_monitor.models.spec import as_specs
 from hdi_monitor.monitor.dashboard import DEFAULT_MAX_HISTOGRAM_LAYERS, DEFAULT_MAX_IMAGE_LAYERS
 from hdi_monitor.monitor.detector import DiversityEvent, SaturationDetector
+from hdi_monitor.monitor.history import DEFAULT_HISTORY_BUDGET
 from hdi_monitor.report import Projection
 
 __all__ = [
@@ -89,6 +90,12 @@ class MonitorConfig:
             the layers whose HDI moved most since the last image step).
         max_histogram_layers: layers with a principal-angle histogram of their own; with more,
             adjacent layers are grouped into this many histograms.
+        history_budget: measured steps kept in the history, the checkpoint and the diversity
+            map's columns (at least 4): the newest half in full, older ones downsampled (see
+            `hdi_monitor.monitor.history.History`); memory stays flat however long the run.
+        image_queue_size: image steps waiting to be drawn on the background thread at most; an
+            image step that finds the queue full has its pictures dropped (noted in a warning),
+            so drawing never holds the training step.
 
     What needs the model (an attention layer found, a ``layers`` filter that matches) is checked
     when the tracker is set up, before the first step.
@@ -108,6 +115,8 @@ class MonitorConfig:
     loss_tag: str | None = None
     max_image_layers: int = DEFAULT_MAX_IMAGE_LAYERS
     max_histogram_layers: int = DEFAULT_MAX_HISTOGRAM_LAYERS
+    history_budget: int = DEFAULT_HISTORY_BUDGET
+    image_queue_size: int = 2
 
     def __post_init__(self) -> None:
         check_int("every_n_steps", self.every_n_steps)
@@ -134,6 +143,8 @@ class MonitorConfig:
             raise ValueError(f"loss_tag must be a non-empty scalar tag or None, got {self.loss_tag!r}")
         check_int("max_image_layers", self.max_image_layers)
         check_int("max_histogram_layers", self.max_histogram_layers)
+        check_int("history_budget", self.history_budget, low=4)
+        check_int("image_queue_size", self.image_queue_size)
 
     @property
     def image_every_n_steps(self) -> int:

@@ -8,9 +8,11 @@ The tracker measures; this module decides how the results are presented:
 * summary scalars added to every measurement (`Dashboard.summary_scalars`): the min and max over
   layers that the margin charts need, event counts that are 0 on measured steps without events,
   and the frame bound only where it binds (below 1);
-* pictures on image steps (`Dashboard.images`): per projection a diversity map (HDI by layer and
-  measured step) and one tiled overlap image, plus one tiled correlation image; the number of image
-  tags per image step is ``2 * projections + 1`` whatever the depth;
+* pictures on image steps (`Dashboard.image_job`, drawn off the training step by
+  `hdi_monitor.monitor.render.render_job`): per projection a diversity map (HDI by layer and
+  measured step, its columns the bounded history's) and one tiled overlap image, plus one tiled
+  correlation image; the number of image tags per image step is ``2 * projections + 1`` whatever
+  the depth;
 * principal-angle histograms per layer, or per group of layers past `max_histogram_layers`
   (`Dashboard.histograms`);
 * the reference levels, once, as text (`Dashboard.levels_text`).
@@ -31,7 +33,9 @@ import torch
 from torch import Tensor
 
 from hdi_monitor.monitor.detector import EVENT_KINDS, DiversityEvent
-from hdi_monitor.monitor.render import diversity_map, tiled_heatmaps
+from hdi_monitor.monitor.history import History
+from hdi_monitor.monitor.record import Series
+from hdi_monitor.monitor.render import ImageJob, MapPanel, TilePanel
 from hdi_monitor.report import DiversityReport
 
 __all__ = [
@@ -260,88 +264,86 @@ class Dashboard:
         return scalars
 
     # ------------------------------------------------------------------ pictures
-    def images(
+    def image_job(
         self,
         report: DiversityReport,
-        history: Sequence[Mapping[str, float]],
+        history: History,
         *,
         step: int,
         projections: Sequence[str],
         activations: bool,
-    ) -> dict[str, bytes]:
-        """The PNG images of an image step (tags: `image_tags`).
+        angles: bool = True,
+    ) -> ImageJob:
+        """What the pictures of an image step need (tags: `image_tags`), copied so that they can
+        be drawn off the training step (`hdi_monitor.monitor.render.render_job`). Cheap: it
+        picks the layers, copies ``H x H`` matrices and the map's bounded columns.
 
         Args:
-            report: this step's report (overlaps, correlations).
-            history: every measured step's scalars so far, this one included (``tracker.history``).
+            report: this step's report (overlaps, correlations, angles).
+            history: the bounded history, this step included: the diversity map's columns.
             step: the step.
             projections: the measured projections.
             activations: draw the correlation image.
+            angles: add the principal-angle histograms (from ``report``'s angles).
         """
-        images: dict[str, bytes] = {}
+        maps: list[MapPanel] = []
+        tiles: list[TilePanel] = []
         for p in projections:
-            names, values, steps = self._map_values(report, history, p)
+            names, values, steps = history.layer_matrix("hdi", p)
             if names and steps:
-                chance = float(history[-1].get(f"hdi_chance/{p}", float("nan")))
+                chance = float(history.column(Series("hdi_chance", p))[-1])
                 if math.isfinite(chance) and 0.0 < chance < 1.0:
-                    images[f"diversity_map/{p}"] = diversity_map(
-                        values,
-                        layers=names,
-                        steps=steps,
-                        chance=chance,
-                        title=f"HDI ({p}) by layer and measured step (white: chance)",
+                    maps.append(
+                        MapPanel(
+                            tag=f"diversity_map/{p}",
+                            values=values,
+                            layers=tuple(names),
+                            steps=tuple(steps),
+                            chance=chance,
+                            title=f"HDI ({p}) by layer and measured step (white: chance)",
+                        )
                     )
             layers = [la for la in report.layers if p in la.overlap and la.overlap[p].shape[-1] >= 2]
             current = {la.name: float(v) for la in layers if (v := la.hdi.get(p)) is not None}
             picked = self._pick([la.name for la in layers], current, f"overlap/{p}")
             if picked:
                 by_name = {la.name: la for la in layers}
-                images[f"overlap/{p}"] = tiled_heatmaps(
-                    [by_name[n].overlap[p] for n in picked],
-                    titles=[self._tile_title(n, current.get(n), "HDI", f"overlap/{p}") for n in picked],
-                    vmin=0.0,
-                    vmax=1.0,
-                    cmap="viridis",
-                    title=f"{p} subspace overlap of head pairs, step {step}{self._subset_note(picked, layers)}",
-                    colorbar_label="overlap (1: same subspace)",
+                tiles.append(
+                    TilePanel(
+                        tag=f"overlap/{p}",
+                        matrices=tuple(by_name[n].overlap[p].detach().to("cpu").clone() for n in picked),
+                        titles=tuple(self._tile_title(n, current.get(n), "HDI", f"overlap/{p}") for n in picked),
+                        vmin=0.0,
+                        vmax=1.0,
+                        cmap="viridis",
+                        title=f"{p} subspace overlap of head pairs, step {step}{self._subset_note(picked, layers)}",
+                        colorbar_label="overlap (1: same subspace)",
+                    )
                 )
         if activations:
             layers = [la for la in report.layers if la.correlation is not None and la.correlation.shape[-1] >= 2]
             current = {la.name: float(la.effective_heads) for la in layers if la.effective_heads is not None}
             picked = self._pick([la.name for la in layers], current, "correlation")
             if picked:
-                by_name = {la.name: la for la in layers}
-                images["correlation"] = tiled_heatmaps(
-                    [by_name[n].correlation for n in picked],  # type: ignore[misc]
-                    titles=[self._tile_title(n, current.get(n), "H_eff", "correlation") for n in picked],
-                    vmin=-1.0,
-                    vmax=1.0,
-                    cmap="RdBu_r",
-                    title=f"head-output correlation, step {step}{self._subset_note(picked, layers)}",
-                    colorbar_label="correlation",
+                matrices = {la.name: la.correlation for la in layers if la.correlation is not None}
+                tiles.append(
+                    TilePanel(
+                        tag="correlation",
+                        matrices=tuple(matrices[n].detach().to("cpu").clone() for n in picked),
+                        titles=tuple(self._tile_title(n, current.get(n), "H_eff", "correlation") for n in picked),
+                        vmin=-1.0,
+                        vmax=1.0,
+                        cmap="RdBu_r",
+                        title=f"head-output correlation, step {step}{self._subset_note(picked, layers)}",
+                        colorbar_label="correlation",
+                    )
                 )
         self._remember(report, projections)
-        return images
-
-    @staticmethod
-    def _map_values(
-        report: DiversityReport, history: Sequence[Mapping[str, float]], projection: str
-    ) -> tuple[list[str], Tensor, list[int]]:
-        prefix = f"hdi/{projection}/"
-        names = [la.name for la in report.layers if la.hdi.get(projection) is not None]
-        seen = set(names)
-        for entry in history:  # layers measured earlier but not now (removed, replaced) stay as rows
-            for key in entry:
-                if key.startswith(prefix):
-                    name = key[len(prefix) :]
-                    if name not in seen and name not in ("mean", "min", "max"):
-                        seen.add(name)
-                        names.append(name)
-        steps = [int(entry["step"]) for entry in history]
-        values = torch.tensor(
-            [[float(entry.get(prefix + n, float("nan"))) for entry in history] for n in names], dtype=torch.float64
-        ).reshape(len(names), len(steps))
-        return names, values, steps
+        histograms: dict[str, Tensor] = {}
+        if angles:
+            per_projection = {p: {la.name: la.angles[p] for la in report.layers if p in la.angles} for p in projections}
+            histograms = self.histograms(per_projection)
+        return ImageJob(step=step, maps=tuple(maps), tiles=tuple(tiles), histograms=histograms)
 
     def _pick(self, names: list[str], current: Mapping[str, float], key: str) -> list[str]:
         """All layers, or the `max_image_layers` that moved most since the last image step (in

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -40,6 +41,7 @@ from hdi_monitor._validation import check_choice, check_index, check_int, check_
 from hdi_monitor.exceptions import DiversityWarning
 
 __all__ = [
+    "feed_report",
     "DiversityWarning",
     "DiversityEvent",
     "SaturationDetector",
@@ -195,6 +197,10 @@ def _measurement(value: Any) -> float | None:
         return None
 
 
+#: Events a detector keeps (the most recent): its state stays bounded however long the run.
+MAX_KEPT_EVENTS = 1000
+
+
 @dataclass
 class _Series:
     """Mutable state of one ``(layer, projection, metric)`` series."""
@@ -290,7 +296,7 @@ class SaturationDetector:
 
     @property
     def events(self) -> tuple[DiversityEvent, ...]:
-        """Every event issued so far, in order (survives `state_dict`)."""
+        """The events issued so far, in order: the last `MAX_KEPT_EVENTS` (survives `state_dict`)."""
         return tuple(self._events)
 
     def best(self, layer: str, projection: Projection, metric: Metric = "hdi") -> float | None:
@@ -369,6 +375,7 @@ class SaturationDetector:
             if event is not None:
                 events.append(event)
         self._events.extend(events)
+        del self._events[:-MAX_KEPT_EVENTS]
         return events
 
     def state_dict(self) -> dict[str, Any]:
@@ -414,7 +421,7 @@ class SaturationDetector:
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"malformed SaturationDetector state: {err!r}") from err
         self._series = series
-        self._events = events
+        self._events = events[-MAX_KEPT_EVENTS:]
 
     # ------------------------------------------------------------------ detection
 
@@ -560,3 +567,54 @@ class SaturationDetector:
             f"{self.redundancy_threshold:.2f} redundancy threshold ({'; '.join(notes)}): consider pruning one "
             "head of each pair, or fewer heads (H)."
         )
+
+
+def feed_report(
+    detector: SaturationDetector | None,
+    activation_detector: SaturationDetector | None,
+    step: int,
+    report: Any,
+    *,
+    projections: Sequence[Projection],
+) -> list[DiversityEvent]:
+    """Feed one measured step's `hdi_monitor.report.DiversityReport` to the detectors: per
+    projection every layer's HDI (with its overlap matrix for the redundancy check) and the mean
+    over layers (as layer ``"mean"``); to ``activation_detector`` every layer's effective heads
+    (with its correlation matrix). A layer whose name is ``mean``, ``min`` or ``max`` is fed as
+    ``<name>_layer``, so it never mixes with the mean. Returns the new events."""
+    from hdi_monitor.monitor.record import layer_tag
+
+    events: list[DiversityEvent] = []
+    if detector is not None:
+        for projection in projections:
+            chances = []
+            for layer in report.layers:
+                value = layer.hdi.get(projection)
+                if value is None:
+                    continue
+                chance = layer.chance_hdi[projection]
+                chances.append(chance)
+                events += detector.update(
+                    step,
+                    layer_tag(layer.name),
+                    projection,
+                    value,
+                    chance=chance,
+                    pairwise=layer.overlap.get(projection),
+                )
+            mean = report.mean_hdi(projection)
+            if mean is not None and chances:
+                events += detector.update(step, "mean", projection, mean, chance=sum(chances) / len(chances))
+    if activation_detector is not None:
+        for layer in report.layers:
+            if layer.effective_heads is None:
+                continue
+            events += activation_detector.update(
+                step,
+                layer_tag(layer.name),
+                "activations",
+                layer.effective_heads,
+                metric="effective_heads",
+                pairwise=layer.correlation,
+            )
+    return events

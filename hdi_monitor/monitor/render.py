@@ -10,16 +10,26 @@ that of a few H x H copies, so it is cheap enough to run every time images are l
 from __future__ import annotations
 
 import io
-import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["heatmap", "colorbar_lut", "diversity_map", "tiled_heatmaps", "PNG_DATA_KEY"]
+__all__ = [
+    "heatmap",
+    "colorbar_lut",
+    "diversity_map",
+    "tiled_heatmaps",
+    "ImageJob",
+    "MapPanel",
+    "TilePanel",
+    "render_job",
+    "Renderer",
+]
 
 # 3x5 bitmaps for the digits 0-9, one row per string, '#' = ink.
 _DIGITS = (
@@ -121,8 +131,6 @@ def heatmap(
 #: Text size of every dashboard figure, in pixels at the figures' 100 dpi (10 pt = 13.9 px).
 FONT_PT = 10.0
 _DPI = 100
-#: Key of the PNG text chunk that carries a figure's underlying data (JSON).
-PNG_DATA_KEY = "hdi-monitor"
 
 
 def _figure(width_in: float, height_in: float) -> Any:
@@ -133,21 +141,20 @@ def _figure(width_in: float, height_in: float) -> Any:
     return fig
 
 
-def _png(fig: Any, data: Mapping[str, Any]) -> bytes:
-    """The figure as PNG bytes (Agg, no pyplot state) with ``data`` as JSON in a text chunk.
+def _png(fig: Any) -> bytes:
+    """The figure as PNG bytes (Agg, no pyplot state), with no data payload: the bytes depend on
+    the picture only, so they do not grow with the run.
 
     The picture is stored with a 256-colour palette: about 3.5 times smaller than RGBA for these
     figures (measured: 29 KiB -> 8 KiB for a diversity map), and event files keep every image."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from PIL import Image, PngImagePlugin
+    from PIL import Image
 
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     picture = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba()).convert("RGB")
-    info = PngImagePlugin.PngInfo()
-    info.add_text(PNG_DATA_KEY, json.dumps(data, allow_nan=True))
     buffer = io.BytesIO()
-    picture.quantize(256, method=Image.Quantize.FASTOCTREE).save(buffer, format="PNG", pnginfo=info, optimize=True)
+    picture.quantize(256, method=Image.Quantize.FASTOCTREE).save(buffer, format="PNG", optimize=True)
     return buffer.getvalue()
 
 
@@ -169,14 +176,14 @@ def diversity_map(
     steps: Sequence[int],
     chance: float,
     title: str,
+    geometry: dict[str, Any] | None = None,
 ) -> bytes:
     """HDI by layer (rows) and measured step (columns) as a PNG, on the fixed scale [0, 1].
 
     The colour scale is diverging around the chance level (white): red below chance (heads more
     alike than random ones), blue above it; it does not follow the data, so maps of different runs
     and steps compare. Missing values (a layer not measured at a step) are grey. The PNG carries
-    its matrix, row and column names and the pixel box of the map body in a text chunk
-    (`PNG_DATA_KEY`), so tests and tools can read the numbers back.
+    no data payload (its values are the record's, see `hdi_monitor.monitor.record`).
 
     Args:
         values: ``(layers, steps)`` HDI values, NaN where missing.
@@ -184,6 +191,8 @@ def diversity_map(
         steps: column steps, left to right.
         chance: the chance level marked on the colour bar (white).
         title: the figure title.
+        geometry: if given, filled with ``body_px``: the pixel box of the map body in the PNG
+            (left, top, right, bottom), for tools that read pixels back.
 
     Returns:
         PNG bytes.
@@ -215,20 +224,14 @@ def diversity_map(
     bar = fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02, ticks=[0.0, chance, 1.0])
     bar.ax.set_yticklabels(["0", f"chance {chance:.2f}", "1"], fontsize=FONT_PT)
     bar.ax.axhline(chance, color="black", linewidth=1.0)
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    if geometry is not None:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    FigureCanvasAgg(fig).draw()  # lay out first, so that the body's pixel box is final
-    box = ax.get_window_extent()
-    height_px = fig.bbox.height
-    data = {
-        "rows": list(layers),
-        "columns": [int(s) for s in steps],
-        "values": [[None if math.isnan(v) else round(v, 6) for v in row] for row in values.tolist()],
-        "chance": chance,
-        # pixel box of the map body in the PNG: left, top, right, bottom
-        "body_px": [box.x0, height_px - box.y1, box.x1, height_px - box.y0],
-    }
-    return _png(fig, data)
+        FigureCanvasAgg(fig).draw()  # lay out first, so that the body's pixel box is final
+        box = ax.get_window_extent()
+        height_px = fig.bbox.height
+        geometry["body_px"] = [box.x0, height_px - box.y1, box.x1, height_px - box.y0]
+    return _png(fig)
 
 
 def matplotlib_cmap(name: str) -> Any:
@@ -265,7 +268,7 @@ def tiled_heatmaps(
         max_columns: tiles per row.
 
     Returns:
-        PNG bytes; its text chunk carries the tile titles and sizes.
+        PNG bytes.
     """
     if not matrices:
         raise ValueError("tiled_heatmaps needs at least one matrix")
@@ -306,4 +309,83 @@ def tiled_heatmaps(
     bar = fig.colorbar(image, cax=bar_ax)
     bar.ax.tick_params(labelsize=FONT_PT)
     bar.set_label(colorbar_label, fontsize=FONT_PT)
-    return _png(fig, {"titles": list(titles), "sizes": [int(m.shape[0]) for m in matrices]})
+    return _png(fig)
+
+
+# ---------------------------------------------------------------- image jobs (drawn off the training step)
+
+
+@dataclass(frozen=True)
+class MapPanel:
+    """A diversity map to draw (see `diversity_map`): CPU copies, owned by the job."""
+
+    tag: str
+    values: Tensor
+    layers: tuple[str, ...]
+    steps: tuple[int, ...]
+    chance: float
+    title: str
+
+
+@dataclass(frozen=True)
+class TilePanel:
+    """A tiled heatmap image to draw (see `tiled_heatmaps`): CPU copies, owned by the job."""
+
+    tag: str
+    matrices: tuple[Tensor, ...]
+    titles: tuple[str, ...]
+    vmin: float
+    vmax: float
+    cmap: str
+    title: str
+    colorbar_label: str
+
+
+@dataclass(frozen=True)
+class ImageJob:
+    """Everything the pictures of one image step need, copied on the training step (small
+    tensors: ``H x H`` matrices, the map's ``layers x budget`` values, the angles) so that the
+    drawing can run on another thread while training goes on.
+
+    Attributes:
+        step: the measured step.
+        maps: diversity maps.
+        tiles: tiled overlap and correlation images.
+        histograms: principal-angle histograms, tag -> angles in degrees.
+        late_histograms: histograms whose angles are still to be computed (from a CPU copy of
+            the weights taken on the step, see `hdi_monitor.report.AngleWork`), computed on the
+            worker; None when there are none.
+    """
+
+    step: int
+    maps: tuple[MapPanel, ...] = ()
+    tiles: tuple[TilePanel, ...] = ()
+    histograms: Mapping[str, Tensor] = field(default_factory=dict)
+    late_histograms: Callable[[], Mapping[str, Tensor]] | None = None
+
+    @property
+    def tags(self) -> list[str]:
+        """The image tags this job draws."""
+        return [m.tag for m in self.maps] + [t.tag for t in self.tiles]
+
+
+#: A renderer: draws a job's images, tag -> PNG bytes (the default is `render_job`).
+Renderer = Callable[[ImageJob], Mapping[str, bytes]]
+
+
+def render_job(job: ImageJob) -> dict[str, bytes]:
+    """The PNG images of a job (matplotlib, Agg; thread-safe: no pyplot state)."""
+    images: dict[str, bytes] = {}
+    for m in job.maps:
+        images[m.tag] = diversity_map(m.values, layers=m.layers, steps=m.steps, chance=m.chance, title=m.title)
+    for t in job.tiles:
+        images[t.tag] = tiled_heatmaps(
+            t.matrices,
+            titles=t.titles,
+            vmin=t.vmin,
+            vmax=t.vmax,
+            cmap=t.cmap,
+            title=t.title,
+            colorbar_label=t.colorbar_label,
+        )
+    return images

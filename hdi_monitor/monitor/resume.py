@@ -2,7 +2,7 @@
 
 A tracker's state records the settings its history was measured with (`settings`). When a run
 resumes with a different ``every_n_steps`` or ``projections``, `reconcile` keeps every measured
-point (each is a measurement at its own step, whatever the schedule), drops the scalars of
+point (each is a measurement at its own step, whatever the schedule), drops the series of
 projections that are no longer measured, and returns one message naming each change, so the
 history is neither restarted in silence nor mixed with series that no longer continue.
 """
@@ -10,7 +10,10 @@ history is neither restarted in silence nor mixed with series that no longer con
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hdi_monitor.monitor.history import History
 
 __all__ = ["reconcile", "settings"]
 
@@ -30,24 +33,19 @@ def _projection_of(tag: str) -> str | None:
     return None
 
 
-def reconcile(
-    saved: Mapping[str, Any] | None, current: Mapping[str, Any], history: Sequence[Mapping[str, float]]
-) -> tuple[list[dict[str, float]], str | None]:
-    """The history to keep and the message to give when resuming under ``current`` settings.
+def reconcile(saved: Mapping[str, Any] | None, current: Mapping[str, Any], history: History) -> str | None:
+    """Fit a restored ``history`` to the ``current`` settings; the message to give (None when
+    nothing changed).
 
     Args:
         saved: the settings stored in the state (None for a state from an older version: nothing
             can be compared, everything is kept in silence).
         current: this tracker's `settings`.
-        history: the saved history (one dict of scalars per measured step, with ``"step"``).
-
-    Returns:
-        ``(history, message)``: every point kept, minus the scalars of projections no longer
-        measured; ``message`` is None when nothing changed.
+        history: the restored history; the series of projections no longer measured are dropped
+            from it (every measured point is kept).
     """
-    points = [dict(h) for h in history]
     if not saved:
-        return points, None
+        return None
     changes = []
     old_every, new_every = saved.get("every_n_steps"), current["every_n_steps"]
     if old_every is not None and old_every != new_every:
@@ -63,11 +61,7 @@ def reconcile(
         added = [p for p in new_proj if p not in old_proj]
         detail = []
         if gone:
-            dropped = 0
-            for point in points:
-                for tag in [t for t in point if _projection_of(t) in gone]:
-                    del point[tag]
-                    dropped += 1
+            dropped = history.drop(lambda key: _projection_of(key.tag) in gone)
             detail.append(f"{', '.join(gone)} no longer measured: its {dropped} saved scalar(s) dropped")
         if added:
             detail.append(f"{', '.join(added)} measured from now on (no history before this resume)")
@@ -75,10 +69,8 @@ def reconcile(
             detail.append("same projections in another order")
         changes.append(f"projections {tuple(old_proj)} -> {tuple(new_proj)}: " + "; ".join(detail))
     if not changes:
-        return points, None
-    kept = len(points)
-    message = (
-        f"hdi-monitor: resumed with changed settings; {kept} measured point(s) of the history are kept. "
+        return None
+    return (
+        f"hdi-monitor: resumed with changed settings; {len(history)} measured point(s) of the history are kept. "
         + " ".join(f"Changed: {c}." for c in changes)
     )
-    return points, message

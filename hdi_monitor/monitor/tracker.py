@@ -1,21 +1,34 @@
 """Framework-free measurement driver.
 
-`HDITracker` decides when to measure, attaches head-output hooks only for a measured step,
-accumulates activation statistics, computes the per-layer report, feeds the early-warning
-detector, and writes to sinks. The Lightning callback (`hdi_monitor.integrations.lightning`) and the other
-integrations are thin shells over it.
+`HDITracker` keeps the schedule (when to measure), the capture of head outputs (hooks on only
+for a measured step; compiled models through a side forward), the collectives (every rank in
+the same order) and the state for resume. Everything else lives in modules named for its job:
+
+* `hdi_monitor.report.compute_report`: the weights, read once per measured step (HDI, levels,
+  overlaps; principal angles on image steps from the same read);
+* `hdi_monitor.monitor.record`: the typed record of a measured step (`Measurement`);
+* `hdi_monitor.monitor.tags`: record -> scalar tags; `hdi_monitor.monitor.history`: the bounded
+  columnar history; `hdi_monitor.monitor.detector`: the early warnings;
+* `hdi_monitor.monitor.publish`: the record to the sinks (scalars on the training thread,
+  pictures prepared by `hdi_monitor.monitor.dashboard`, drawn by `hdi_monitor.monitor.render` on
+  the background `hdi_monitor.monitor.worker`);
+* `hdi_monitor.monitor.compiled`: head outputs of torch.compile'd models;
+* `hdi_monitor.monitor.config`: the settings, read from ``tracker.config`` (never copied).
 
 Two ways to drive it:
 
-* **Plain PyTorch loop** (the tracker counts optimizer steps itself)::
+* **Plain PyTorch loop** (the tracker counts optimizer steps itself):
 
-      tracker = HDITracker(model, every_n_steps=100, writer=SummaryWriter("runs/x"))
-      for batch in loader:
-          with tracker.capture(batch):      # hooks on only if this step is measured
-              loss = model(**batch).loss
-          loss.backward()
-          tracker.step()                    # finish the measurement, advance the step
-          optimizer.step(); optimizer.zero_grad()
+  ```python
+  tracker = HDITracker(model, every_n_steps=100, writer=SummaryWriter("runs/x"))
+  for batch in loader:
+      with tracker.capture(batch):      # hooks on only if this step is measured
+          loss = model(**batch).loss
+      loss.backward()
+      tracker.step()                    # finish the measurement, advance the step
+      optimizer.step(); optimizer.zero_grad()
+  tracker.close()                       # waits for the pictures; draws the last step's
+  ```
 
 * **Explicit** (what the callbacks do): ``begin(step, batch)`` before the forward pass,
   ``stop_capture()`` before backward, ``finish()`` any time after backward.
@@ -23,32 +36,32 @@ Two ways to drive it:
 ``finish()`` may come before or after the optimizer step: the head-output accumulators combine
 each captured head output with the output projection ``W_O`` as it is in the forward pass, at
 capture time, so ``finish()`` reads no weight (it sums the accumulators over the ranks and makes
-one device-to-host transfer for every layer's statistics). The callbacks finish before the
-optimizer step, where backward is known to be done.
+one device-to-host transfer for every layer's statistics). The weights are read once, in
+``begin``.
 
 A measured step ``s`` reports the weights that produced step ``s``'s forward pass (measured in
 ``begin``, before the optimizer changes them) and the activations of that forward pass, so the HDI
 point at ``s`` sits beside the training loss of step ``s``.
 
-Size: about 750 lines, because `HDITracker` is the one stateful driver of a measurement
-(schedule, hooks, the agreement of ranks before and after every collective, publishing, state for
-resume), and splitting it would spread one state machine over several files. What is not that
-state machine lives beside it: layer revalidation in `hdi_monitor.monitor._layers`, warnings in
-`hdi_monitor.monitor._warnings`, the dashboards in `hdi_monitor.monitor.dashboard`, the settings in
-`hdi_monitor.monitor.config`.
+Nothing is drawn on the training step: on an image step ``finish()`` copies the few small tensors
+the pictures need and queues them for a background thread (`hdi_monitor.monitor.worker`), which
+encodes the PNGs and writes them; `flush` and `close` wait for it. A full queue drops the
+pictures of that step (noted in that step's MonitoringWarning). `close` also draws the pictures
+of the run's last measured step when it was not an image step (without principal-angle
+histograms: those need the weights of that step).
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from hdi_monitor.exceptions import MonitoringWarning
 from hdi_monitor.functional._numerics import no_autocast
@@ -56,9 +69,7 @@ from hdi_monitor.functional.covariance import (
     HeadCovarianceAccumulator,
     compute_results,
 )
-from hdi_monitor.functional.diversity import pairwise_principal_angles
 from hdi_monitor.models import AttentionLayer, find_attention_layers
-from hdi_monitor.models.base import Projection
 from hdi_monitor.models.hooks import (
     CallCounts,
     attach_output_hooks,
@@ -70,8 +81,16 @@ from hdi_monitor.models.hooks import (
 from hdi_monitor.models.sharding import is_fsdp1_module
 from hdi_monitor.models.tensor_parallel import sync_data_parallel
 from hdi_monitor.monitor import gaps, ranks, resume
-from hdi_monitor.monitor._layers import describe_change, heads_text, naming_hint, signature, submodule
+from hdi_monitor.monitor._layers import (
+    describe_change,
+    heads_text,
+    invalid_head_notes,
+    naming_hint,
+    signature,
+    submodule,
+)
 from hdi_monitor.monitor._warnings import summarize_events, warn
+from hdi_monitor.monitor.compiled import CompiledUnit, compiled_units, intercept, side_forward
 from hdi_monitor.monitor.config import (
     ACTIVATION_COLLAPSE_DELTA,
     ACTIVATION_MIN_DELTA,
@@ -80,9 +99,14 @@ from hdi_monitor.monitor.config import (
     resolve_detectors,
 )
 from hdi_monitor.monitor.dashboard import Dashboard
-from hdi_monitor.monitor.detector import DiversityEvent, DiversityWarning
+from hdi_monitor.monitor.detector import DiversityEvent, DiversityWarning, feed_report
+from hdi_monitor.monitor.history import History
+from hdi_monitor.monitor.publish import Publisher
+from hdi_monitor.monitor.record import Measurement
+from hdi_monitor.monitor.render import Renderer, render_job
 from hdi_monitor.monitor.sinks import Sink, TensorBoardSink
-from hdi_monitor.report import DiversityReport, compute_report, weight_groups
+from hdi_monitor.monitor.tags import scalar_tags
+from hdi_monitor.report import AngleWork, compute_report
 
 __all__ = [
     "HDITracker",
@@ -91,25 +115,20 @@ __all__ = [
     "MonitoringWarning",
     "ACTIVATION_MIN_DELTA",
     "ACTIVATION_COLLAPSE_DELTA",
+    "MAX_EVENTS",
 ]
 
-
-@dataclass
-class Measurement:
-    """One measured step: the report, the scalars written, and the events raised."""
-
-    step: int
-    report: DiversityReport
-    scalars: dict[str, float]
-    events: list[DiversityEvent] = field(default_factory=list)
+#: Early-warning events kept in `HDITracker.events` (and its state): the most recent ones.
+MAX_EVENTS = 1000
 
 
 @dataclass
 class _Pending:
     step: int
-    report: DiversityReport
+    report: Any  # DiversityReport
     accumulators: list[HeadCovarianceAccumulator | None]
     forward_expected: bool = True  # False for weight-only measurements (step() without capture())
+    angle_work: list[AngleWork] = field(default_factory=list)  # angles left for the worker
     counts: CallCounts = field(default_factory=CallCounts)  # module / head-output hook calls per layer
 
 
@@ -133,6 +152,10 @@ class HDITracker:
             module). Weights are then read one FSDP unit at a time (see
             `full_weights`). The Lightning callback sets it to
             ``trainer.strategy.model``. Can also be set later through the attribute.
+        renderer: draws the pictures of an image step on the background thread (an
+            `hdi_monitor.monitor.render.ImageJob` -> ``{tag: PNG bytes}``); default
+            `hdi_monitor.monitor.render.render_job`. A renderer that raises or is slow never
+            fails or holds training.
         **fields: `MonitorConfig` fields, applied over ``config``:
             ``HDITracker(model, every_n_steps=50)`` is ``HDITracker(model, MonitorConfig(every_n_steps=50))``.
 
@@ -151,12 +174,15 @@ class HDITracker:
         detector: DetectorArg = None,
         activation_detector: DetectorArg = None,
         fsdp_root: nn.Module | None = None,
+        renderer: Renderer | None = None,
         **fields: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if fsdp_root is not None and not isinstance(fsdp_root, nn.Module):
             raise TypeError(f"fsdp_root must be a torch.nn.Module or None, got {type(fsdp_root).__name__}")
+        if renderer is not None and not callable(renderer):
+            raise TypeError(f"renderer must be callable (ImageJob -> {{tag: png}}), got {type(renderer).__name__}")
         config = MonitorConfig.build(config, fields, owner="HDITracker")
         detectors = resolve_detectors(detector, activation_detector, activations=config.activations)
         if isinstance(sinks, (str, bytes)) or not isinstance(sinks, Sequence):
@@ -169,50 +195,65 @@ class HDITracker:
                 )
         self.model = model
         self.config = config
-        self.every_n_steps = config.every_n_steps
-        self.projections: tuple[Projection, ...] = config.projections
-        self.weighting = config.weighting
-        self.layer_filter = config.layers
-        self.spec = config.spec
-        self.log_images_every_n_steps = config.image_every_n_steps
-        self.activations = config.activations  # turned off by the torch.compile fallback
-        self.max_tokens = config.max_tokens
-        self.seed = config.seed
         # private RNG for the token subsample: the global generators are never drawn from
         self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self.sinks: list[Sink] = list(sinks)
         if writer is not None:
             self.sinks.append(TensorBoardSink(writer))
         self.detector, self.activation_detector = detectors
-        self.on_saturation = config.on_saturation
-        self.strict = config.strict
         if fsdp_root is None and is_fsdp1_module(model):
             fsdp_root = model
         self.fsdp_root: nn.Module | None = fsdp_root
 
-        self.history: list[dict[str, float]] = []
+        self.history = History(config.history_budget)
         self.events: list[DiversityEvent] = []
         self.last_measurement: Measurement | None = None
         self.last_token_counts: list[int] = []  # tokens per layer in the last measurement (after sync)
         self.stop_requested = False
         self.disabled = False
+        self.activations_off: str | None = None  # why head outputs cannot be captured (None: they can)
         self._layers: list[AttentionLayer] | None = None
         self._signatures: list[tuple[Any, ...]] = []  # per layer: (path, module, parameter shapes)
+        self._units: list[CompiledUnit] = []  # compiled parts of the model (never hooked)
         self._notes: list[str] = []  # MonitoringWarning lines of the measurement under way (one warning)
         self._invalid_seen: set[tuple[str, str]] = set()  # (layer, projection) already warned about
-        self._failed_sinks: set[int] = set()  # id() of sinks that failed once (warned once)
         self._gap_seen: tuple[set[str], set[str]] = (set(), set())  # layers told: hook never fired / < 2 tokens
-        self._delivery = gaps.SinkDelivery()  # sinks that have the layout and levels text
         self._pending: _Pending | None = None
         self._scheduled: int | None = None  # step of the measurement under way (set even if it failed)
         self._handles: list[Any] = []
         self._last_step = -1
         self._step = 0  # own step counter for step()/capture()
-        self.dashboard = Dashboard(  # layout, summary scalars, pictures
+        dashboard = Dashboard(  # layout, summary scalars, pictures
             loss_tag=config.loss_tag,
             max_image_layers=config.max_image_layers,
             max_histogram_layers=config.max_histogram_layers,
         )
+        # the sinks' side: scalars here, pictures on a background worker
+        self.publisher = Publisher(config, dashboard, renderer if renderer is not None else render_job)
+
+    @property
+    def dashboard(self) -> Dashboard:
+        """Layout, summary scalars and pictures of this run (`Dashboard`)."""
+        return self.publisher.dashboard
+
+    @dashboard.setter
+    def dashboard(self, dashboard: Dashboard) -> None:
+        self.publisher.dashboard = dashboard
+
+    @property
+    def renderer(self) -> Renderer:
+        """Draws the pictures of an image step on the background worker (see ``renderer``)."""
+        return self.publisher.renderer
+
+    @renderer.setter
+    def renderer(self, renderer: Renderer) -> None:
+        self.publisher.renderer = renderer
+
+    @property
+    def activations(self) -> bool:
+        """True if head outputs are captured: ``config.activations``, unless the model cannot be
+        intercepted (see `activations_off`)."""
+        return self.config.activations and self.activations_off is None
 
     # ------------------------------------------------------------------ public driving API
     @property
@@ -232,7 +273,7 @@ class HDITracker:
             TypeError: ``layers`` or ``spec`` has the wrong type.
         """
         try:
-            found = find_attention_layers(self.model, spec=self.spec, layers=self.layer_filter)
+            found = find_attention_layers(self.model, spec=self.config.spec, layers=self.config.layers)
         except ValueError as err:
             raise ValueError(
                 f"hdi-monitor cannot watch {type(self.model).__name__}: {err}{naming_hint(self.model)}"
@@ -245,17 +286,18 @@ class HDITracker:
         c = self.config
         return ranks.fingerprint(
             layers,
-            every_n_steps=self.every_n_steps,
-            log_images_every_n_steps=self.log_images_every_n_steps,
-            projections=self.projections,
-            weighting=self.weighting,
-            activations=self.activations,
+            every_n_steps=c.every_n_steps,
+            log_images_every_n_steps=c.image_every_n_steps,
+            projections=c.projections,
+            weighting=c.weighting,
+            activations=c.activations,
             max_tokens=c.max_tokens,
         )
 
     def _set_layers(self, layers: list[AttentionLayer]) -> None:
         paths = {id(m): n for n, m in self.model.named_modules()}
         self._layers = layers
+        self._find_units()
         self._signatures = [signature(la.module, paths.get(id(la.module))) for la in layers]
 
     def _revalidate(self) -> list[AttentionLayer]:
@@ -270,7 +312,7 @@ class HDITracker:
         if not stale:
             return layers
         try:
-            found = find_attention_layers(self.model, spec=self.spec, layers=self.layer_filter)
+            found = find_attention_layers(self.model, spec=self.config.spec, layers=self.config.layers)
         except ValueError as err:
             names = ", ".join(la.name for la in stale)
             raise ValueError(f"attention layer(s) {names} changed and the model no longer matches: {err}") from err
@@ -290,7 +332,7 @@ class HDITracker:
 
     def should_measure(self, step: int) -> bool:
         """True if ``step`` is a measured step not measured before (so resumed runs never repeat)."""
-        return not self.disabled and step % self.every_n_steps == 0 and step > self._last_step
+        return not self.disabled and step % self.config.every_n_steps == 0 and step > self._last_step
 
     def begin(self, step: int, batch: Any = None) -> bool:
         """Start (or, for further micro-batches of the same step, continue) a measurement.
@@ -298,18 +340,18 @@ class HDITracker:
         Measures the weights now, before the optimizer step, and attaches head-output hooks when
         ``activations`` is on. Returns True if step ``step`` is being measured.
         """
-        if self._scheduled == step:
-            # a further micro-batch of the step under way; a step whose measurement failed (a hook
-            # error, say) is never restarted: it stays skipped until finish()
-            if self._pending is None:
+        if self._scheduled != step:
+            if not self.should_measure(step):
                 return False
-            with self._guard("capturing head outputs"):
-                self._attach(batch)
-            return True
-        if not self.should_measure(step):
+            self._scheduled = step
+            self._start(step)
+        # the first or a further micro-batch of the step under way; a step whose measurement failed
+        # (a hook error, say) is never restarted: it stays skipped until finish()
+        if self._pending is None:
             return False
-        self._scheduled = step
-        return self._start(step, batch)
+        with self._guard("capturing head outputs"):
+            self._attach(batch)
+        return self._pending is not None
 
     @property
     def measuring(self) -> bool:
@@ -317,7 +359,8 @@ class HDITracker:
         measurement failed (so that every rank still takes part in `finish`)."""
         return self._scheduled is not None or self._pending is not None
 
-    def _start(self, step: int, batch: Any) -> bool:
+    def _start(self, step: int) -> None:
+        """Read the weights (the one read of this step) and set up the accumulators."""
         self.stop_capture()
         self._pending = None  # an unfinished earlier measurement (e.g. after an exception) is dropped
         self._notes = []
@@ -325,19 +368,23 @@ class HDITracker:
             self.setup()  # a model the monitor cannot watch fails here, before its first step
         with self._guard("measuring weights"), no_autocast():
             layers = self._revalidate()
+            # the one weight read of this step; on image steps the principal angles come from the
+            # same read (CPU weights: a copy, finished on the worker; gathered or accelerator
+            # weights: computed now)
+            work: list[AngleWork] = []
             report = compute_report(
                 layers,
                 projections=self.config.projections,
-                weighting=self.weighting,
+                weighting=self.config.weighting,
                 fsdp_root=self.fsdp_root,
+                angles=work if self._image_step(step) and self.sinks else False,
             )
             accs: list[HeadCovarianceAccumulator | None] = [None] * len(layers)
             if self.activations:
-                accs = [output_accumulator(la, max_tokens=self.max_tokens, generator=self.generator) for la in layers]
-            self._pending = _Pending(step=step, report=report, accumulators=accs)
-            self._attach(batch)
-            return True
-        return False
+                accs = [
+                    output_accumulator(la, max_tokens=self.config.max_tokens, generator=self.generator) for la in layers
+                ]
+            self._pending = _Pending(step=step, report=report, accumulators=accs, angle_work=work)
 
     def stop_capture(self) -> None:
         """Remove every hook (idempotent). Call before backward so recomputed forwards are not counted."""
@@ -350,7 +397,7 @@ class HDITracker:
 
         Under ``torch.distributed`` this is a collective: call it on every rank at the same steps.
         The ranks first agree that all of them hold the measurement (one tiny ``all_reduce``);
-        then, with activations, every accumulator is summed over the ranks.
+        then, with activations, every accumulator is summed over the ranks. No weight is read.
         """
         self.stop_capture()
         if not self.measuring:
@@ -361,18 +408,17 @@ class HDITracker:
             # some rank failed earlier in this measurement: every rank drops it, so none waits
             # in a collective that the others never reach
             return None
-        # Phase 1 runs every collective (accumulator sums, FSDP gathers) in the same order on every
-        # rank; a local failure is recorded, not raised, so the ranks stay in step. Then the ranks
-        # agree, and phase 2 (scalars, detector, sinks: no collective) runs only if all succeeded.
+        # Phase 1 runs every collective (accumulator sums) in the same order on every rank; a
+        # local failure is recorded, not raised, so the ranks stay in step. Then the ranks agree,
+        # and phase 2 (record, detector, sinks: no collective) runs only if all succeeded.
         errors: list[Exception] = []
         with no_autocast():
             self._gather_statistics(pending, errors)
-            pictures = self._pictures(pending, errors)
         if not _all_ranks_agree(not errors):
             self._skip(errors[0] if errors else None, "computing the measurement")
             return None
         with self._guard("writing the measurement"):
-            return self._publish(pending, pictures)
+            return self._publish(pending)
         return None
 
     @contextlib.contextmanager
@@ -406,35 +452,46 @@ class HDITracker:
 
     def measure(self, inputs: Any = None, *, step: int | None = None) -> Measurement | None:
         """Measure now, whatever the schedule; with ``inputs`` (a batch or an iterable of batches)
-        and ``activations`` on, run them through the model to collect head-output statistics."""
+        and ``activations`` on, run them through the model to collect head-output statistics
+        (eagerly: a ``torch.compile(model)`` wrapper's original module is called)."""
         step = self._step if step is None else step
         self._scheduled = step
-        if self._start(step, None) and inputs is not None and self.activations:
+        self._start(step)
+        if self._pending is not None and inputs is not None and self.activations:
+            model = self._eager_model()
             # like head_diversity(inputs=...): eval mode (no dropout), restored afterwards
-            with self._guard("running inputs through the model"), torch.no_grad(), eval_mode(self.model):
+            with self._guard("running inputs through the model"), torch.no_grad(), eval_mode(model):
                 for batch in iter_batches(inputs):
                     self.stop_capture()
                     self._attach(batch)
-                    call_model(self.model, batch)
+                    call_model(model, batch)
         return self.finish()
 
+    def flush(self) -> None:
+        """Wait until every queued picture is written, report what failed, flush the sinks."""
+        with self._guard("flushing the sinks"):
+            self.publisher.flush(self.sinks)
+
     def close(self) -> None:
-        """Remove hooks and drop any unfinished measurement; flush the sinks."""
+        """End of a run (or an exception): remove hooks, drop any unfinished measurement, draw the
+        pictures of the last measured step if it was not an image step, wait for the pictures,
+        flush the sinks. The tracker can be used again afterwards (a second ``fit``)."""
         self.stop_capture()
         self._pending = None
         self._scheduled = None
-        for sink in self.sinks:
-            with self._guard("flushing a sink"):
-                sink.flush()
+        with self._guard("drawing the last measured step"):
+            self.publisher.finish_run(self.last_measurement, self.history, self.sinks, activations=self.activations)
+        self.flush()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """History, last measured step, detector state and the subsample generator's state (plain
-        Python types: JSON-ready, and loadable with ``torch.load(..., weights_only=True)``)."""
+        """History (bounded: see `History`), last measured step, events (the last `MAX_EVENTS`),
+        detector state and the subsample generator's state (plain Python types: JSON-ready, and
+        loadable with ``torch.load(..., weights_only=True)``)."""
         return {
             "generator": base64.b64encode(self.generator.get_state().numpy().tobytes()).decode("ascii"),
-            "settings": resume.settings(self.every_n_steps, self.projections),
-            "history": [dict(h) for h in self.history],
+            "settings": resume.settings(self.config.every_n_steps, self.config.projections),
+            "history": self.history.state_dict(),
             "last_step": self._last_step,
             "step": self._step,
             "events": [e.to_dict() for e in self.events],
@@ -445,13 +502,16 @@ class HDITracker:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        now = resume.settings(self.every_n_steps, self.projections)
-        self.history, changed = resume.reconcile(state.get("settings"), now, state.get("history", []))
+        """Restore `state_dict` (also a 0.2 checkpoint, whose list-of-dicts history is converted;
+        a history longer than ``config.history_budget`` is downsampled)."""
+        self.history.load_state_dict(state.get("history", []))
+        now = resume.settings(self.config.every_n_steps, self.config.projections)
+        changed = resume.reconcile(state.get("settings"), now, self.history)
         if changed:
             warn(changed, MonitoringWarning, rank_zero_only=True)
         self._last_step = int(state.get("last_step", -1))
         self._step = int(state.get("step", 0))
-        self.events = [DiversityEvent.from_dict(e) for e in state.get("events", [])]
+        self.events = [DiversityEvent.from_dict(e) for e in state.get("events", [])][-MAX_EVENTS:]
         if self.detector is not None and state.get("detector") is not None:
             self.detector.load_state_dict(state["detector"])
         if self.activation_detector is not None and state.get("activation_detector") is not None:
@@ -460,7 +520,7 @@ class HDITracker:
             raw = base64.b64decode(state["generator"])
             self.generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ capture
     @contextlib.contextmanager
     def _guard(self, what: str) -> Iterator[None]:
         try:
@@ -468,7 +528,7 @@ class HDITracker:
         except Exception as err:
             self.stop_capture()
             self._pending = None
-            if self.strict:
+            if self.config.strict:
                 raise
             warn(
                 f"hdi-monitor: error while {what}; training goes on, this measurement is skipped "
@@ -476,18 +536,85 @@ class HDITracker:
                 MonitoringWarning,
             )
 
-    def _attach(self, batch: Any) -> None:
-        pending = self._pending
-        if pending is not None and self.activations:
-            self._handles += attach_output_hooks(
-                self.layers, pending.accumulators, batch, on_error=self._hook_failed, counts=pending.counts
+    def _find_units(self) -> None:
+        """The compiled parts of the model; a whole LightningModule compiled by Lightning cannot
+        be intercepted: its head outputs are not measured (one warning)."""
+        self._units = compiled_units(self.model)
+        stuck = [u for u in self._units if not u.interceptable]
+        if stuck and self.config.activations and self.activations_off is None:
+            self.activations_off = (
+                f"{type(stuck[0].module).__name__} was compiled whole by Lightning (its forward and training_step "
+                "are compiled, so there is no eager call to take the head outputs from without changing the "
+                "compiled graph)"
             )
+            warn(
+                f"hdi-monitor: {self.activations_off}. Activation statistics (covariance, effective heads) are "
+                "off; the weight-based HDI is measured. Compile the attention blocks instead "
+                "(torch.compile(block) or block.compile()) to keep them, or pass activations=False to silence "
+                "this warning.",
+                MonitoringWarning,
+                rank_zero_only=True,
+            )
+
+    def _eager_model(self) -> nn.Module:
+        units = self._units
+        if len(units) == 1 and units[0].path == "" and units[0].kind == "wrapper":
+            return units[0].original
+        return self.model
+
+    def _attach(self, batch: Any) -> None:
+        """Hooks for this forward: plain hooks on the layers outside compiled parts; for each
+        compiled part, an eager interception that runs a side forward (see
+        `hdi_monitor.monitor.compiled`)."""
+        pending = self._pending
+        if pending is None or not self.activations:
+            return
+        layers = self.layers
+        # the compiled unit (index into self._units) each layer lies in, or None
+        unit_of = [next((k for k, u in enumerate(self._units) if u.contains(la.name)), None) for la in layers]
+        plain = [i for i, k in enumerate(unit_of) if k is None]
+        inside = {k: [i for i, u in enumerate(unit_of) if u == k] for k in dict.fromkeys(unit_of) if k is not None}
+        if plain:
+            self._handles += attach_output_hooks(
+                [layers[i] for i in plain],
+                [pending.accumulators[i] for i in plain],
+                batch,
+                on_error=self._hook_failed,
+                counts=pending.counts,
+            )
+        for k, members in inside.items():
+            compiled = self._units[k]
+            self._handles.append(intercept(compiled, partial(self._side_forward, compiled, members, batch)))
+
+    def _side_forward(
+        self, unit: CompiledUnit, members: list[int], batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Runs eagerly before a compiled call of ``unit``: its original module's forward on the
+        same arguments, with the head-output hooks of its layers on only meanwhile."""
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            handles = attach_output_hooks(
+                [self.layers[i] for i in members],
+                [pending.accumulators[i] for i in members],
+                kwargs if kwargs else batch,  # a mask passed as a keyword argument is used
+                on_error=self._hook_failed,
+                counts=pending.counts,
+            )
+            try:
+                side_forward(unit, args, kwargs)
+            finally:
+                for handle in handles:
+                    handle.remove()
+        except Exception as err:  # noqa: BLE001 - never into the training forward
+            self._hook_failed(err)
 
     def _hook_failed(self, err: Exception) -> None:
         """A head-output hook raised inside the forward pass: drop this measurement (in ``finish``
         every rank then agrees to drop it) and let the forward pass go on; hooks stay attached until
         ``stop_capture`` (removing them inside a hook would change the dict being iterated)."""
-        if self.strict:
+        if self.config.strict:
             raise err
         if self._pending is None:
             return  # already dropped (and warned) by an earlier hook of this forward pass
@@ -527,62 +654,18 @@ class HDITracker:
             entry.mean_correlation = result.mean_correlation
             entry.variance_ratio = result.variance_ratio
             entry.num_tokens = result.num_tokens
-        # token counts are all-rank totals here, so every rank takes the same decision
-        if pending.forward_expected and 0 in self.last_token_counts and _is_compiled(self.model):
-            self._compile_fallback()
-        elif pending.forward_expected:  # an F.linear output projection, or < 2 real tokens: said once per layer
+        if pending.forward_expected:  # an F.linear output projection, or < 2 real tokens: said once per layer
             outs = {la.name: type(la.output_module).__name__ for la in self.layers}
             self._notes += gaps.silent_hook_notes(pending.counts.silent_layers(), outs, self._gap_seen[0])
             counts = {e.name: n for (_, e), n in zip(pairs, self.last_token_counts, strict=True)}
             self._notes += gaps.few_token_notes(counts, pending.counts.output_calls, self._gap_seen[1])
-
-    def _publish(self, pending: _Pending, pictures: tuple[dict[str, Tensor], dict[str, Tensor]]) -> Measurement:
-        """Scalars, early warnings, sinks and history for a finished measurement (rank-local)."""
-        report, step = pending.report, pending.step
-        scalars = self._scalars(report)
-        events = self._detect(step, report)
-        detecting = self.detector is not None or (self.activation_detector is not None and self.activations)
-        self.dashboard.summary_scalars(scalars, report, events, projections=self.projections, detecting=detecting)
-        measurement = Measurement(step=step, report=report, scalars=scalars, events=events)
-        # results first, so that no sink can lose them; then the warnings; then the sinks, each alone
-        self.history.append({"step": float(step), **scalars})
-        self.events.extend(events)
-        self.last_measurement = measurement
-        self._last_step = max(self._last_step, step)
-        self._note_invalidheads_text(report)
-        notes, self._notes = self._notes, []
-        if notes:
-            lines = "\n  ".join(notes)
-            warn(
-                f"hdi-monitor step {step}: {len(notes)} change(s) in the watched layers:\n  {lines}",
-                MonitoringWarning,
-                rank_zero_only=True,
-            )
-        self._dispatch(step, events)
-        self._write(measurement, *pictures)
-        return measurement
-
-    def _note_invalidheads_text(self, report: DiversityReport) -> None:
-        """One note the first time a layer and projection has dead (all-zero) or non-finite heads."""
-        for layer in report.layers:
-            for projection in self.projections:
-                bad = layer.invalid_heads.get(projection) or []
-                if bad and (layer.name, projection) not in self._invalid_seen:
-                    self._invalid_seen.add((layer.name, projection))
-                    total = layer.num_kv_heads if projection in ("key", "value") else layer.num_heads
-                    valid = total - len(bad)
-                    self._notes.append(
-                        f"{layer.name} ({projection}): head(s) {bad} are dead (all zero) or non-finite; "
-                        f"its HDI is over the {valid} valid head(s) of {total} "
-                        f"(scalar invalid_heads/{projection}/{layer.name})"
-                    )
 
     def _skip(self, err: Exception | None, what: str) -> None:
         """Drop a measurement that failed on this rank (``err``: warn, or raise when strict) or on
         another rank (None: that rank warns; this one drops it quietly, as when ``begin`` failed)."""
         if err is None:
             return
-        if self.strict:
+        if self.config.strict:
             raise err
         reason = f"{type(err).__name__}: {err}"
         warn(
@@ -591,196 +674,74 @@ class HDITracker:
             MonitoringWarning,
         )
 
-    def _compile_fallback(self) -> None:
-        """Hooks did not run inside a torch.compile'd forward: warn once, go on with weights only."""
-        missed = [la.name for la, n in zip(self.layers, self.last_token_counts, strict=False) if n == 0]
-        shown = ", ".join(missed[:3]) + (", ..." if len(missed) > 3 else "")
-        self.activations = False
-        warn(
-            f"hdi-monitor: the model runs under torch.compile and the head-output hooks of {len(missed)} "
-            f"layer(s) ({shown}) did not run inside the compiled forward (Dynamo does not see hooks attached "
-            "after compilation). Activation statistics (covariance, effective heads) are off from now on; the "
-            "weight-based HDI is unaffected. Pass activations=False to silence this warning.",
-            MonitoringWarning,
-            rank_zero_only=True,
+    # ------------------------------------------------------------------ publishing (rank-local)
+    def _publish(self, pending: _Pending) -> Measurement:
+        """The record of a finished measurement: events, tags, history; then one warning, then
+        the sinks (pictures queued for the worker)."""
+        report, step = pending.report, pending.step
+        config = self.config
+        events = feed_report(
+            self.detector,
+            self.activation_detector if self.activations else None,
+            step,
+            report,
+            projections=config.projections,
         )
-
-    def _scalars(self, report: DiversityReport) -> dict[str, float]:
-        scalars: dict[str, float] = {}
-        for projection in self.projections:
-            chance, cap = [], []
-            for layer in report.layers:
-                # on every measured step, so a dead or NaN head is never silent (0 when none)
-                scalars[f"invalid_heads/{projection}/{layer.name}"] = float(
-                    len(layer.invalid_heads.get(projection) or [])
+        detecting = self.detector is not None or (self.activation_detector is not None and self.activations)
+        series, scalars = scalar_tags(
+            report,
+            events,
+            dashboard=self.dashboard,
+            projections=config.projections,
+            activations=self.activations,
+            detecting=detecting,
+        )
+        image = self._image_step(step)
+        measurement = Measurement(step=step, report=report, scalars=scalars, events=events, image_step=image)
+        # results first, so that no sink can lose them; then the warnings; then the sinks, each alone
+        self.history.append(step, series)
+        self.events = (self.events + events)[-MAX_EVENTS:]
+        self.last_measurement = measurement
+        self._last_step = max(self._last_step, step)
+        if image and self.sinks:
+            with self._guard("preparing the dashboard images"):  # a failure costs the images only
+                dropped = self.publisher.queue_pictures(
+                    measurement, self.history, self.sinks, activations=self.activations, angle_work=pending.angle_work
                 )
-                value = layer.hdi.get(projection)
-                if value is not None and math.isfinite(value):
-                    scalars[f"hdi/{projection}/{layer.name}"] = value
-                    chance.append(layer.chance_hdi[projection])
-                    if (top := layer.max_hdi.get(projection)) is not None:
-                        cap.append(top)
-            mean = report.mean_hdi(projection)
-            if mean is not None and math.isfinite(mean):
-                scalars[f"hdi/{projection}/mean"] = mean
-            if chance:
-                scalars[f"hdi_chance/{projection}"] = float(sum(chance) / len(chance))
-            if cap:
-                scalars[f"hdi_max/{projection}"] = float(sum(cap) / len(cap))
-        if self.activations:
-            eff, corr = [], []
-            for layer in report.layers:
-                if (heads := layer.effective_heads) is not None and math.isfinite(heads):
-                    scalars[f"effective_heads/{layer.name}"] = float(heads)
-                    eff.append(float(heads))
-                if (r := layer.mean_correlation) is not None and math.isfinite(r):
-                    scalars[f"head_correlation/{layer.name}"] = float(r)
-                    corr.append(float(r))
-            if eff:
-                scalars["effective_heads/mean"] = sum(eff) / len(eff)
-            if corr:
-                scalars["head_correlation/mean"] = sum(corr) / len(corr)
-        return scalars
-
-    def _detect(self, step: int, report: DiversityReport) -> list[DiversityEvent]:
-        events: list[DiversityEvent] = []
-        if self.detector is not None:
-            for projection in self.projections:
-                chances = []
-                for layer in report.layers:
-                    value = layer.hdi.get(projection)
-                    if value is None:
-                        continue
-                    chance = layer.chance_hdi[projection]
-                    chances.append(chance)
-                    events += self.detector.update(
-                        step, layer.name, projection, value, chance=chance, pairwise=layer.overlap.get(projection)
-                    )
-                mean = report.mean_hdi(projection)
-                if mean is not None and chances:
-                    events += self.detector.update(step, "mean", projection, mean, chance=sum(chances) / len(chances))
-        if self.activation_detector is not None and self.activations:
-            for layer in report.layers:
-                if layer.effective_heads is None:
-                    continue
-                events += self.activation_detector.update(
-                    step,
-                    layer.name,
-                    "activations",
-                    layer.effective_heads,
-                    metric="effective_heads",
-                    pairwise=layer.correlation,
-                )
-        return events
-
-    def _pictures(self, pending: _Pending, errors: list[Exception]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """Angle histograms on image steps (a collective under FSDP); the images are drawn in
-        `_write`, from the history that includes this step."""
-        if not self._image_step(pending.step):
-            return {}, {}
-        return {}, self.dashboard.histograms(self._angles(errors))
+                if dropped is not None:
+                    self._notes.append(dropped)
+        self._notes += invalid_head_notes(report, config.projections, self._invalid_seen)
+        self._notes += self.publisher.worker_notes()
+        notes, self._notes = self._notes, []
+        if notes:
+            lines = "\n  ".join(notes)
+            warn(
+                f"hdi-monitor step {step}: {len(notes)} note(s) (changes in the watched layers, dead heads, "
+                f"dashboard writes):\n  {lines}",
+                MonitoringWarning,
+                rank_zero_only=True,
+            )
+        self._dispatch(step, events)
+        self.publisher.write(measurement, self.sinks, activations=self.activations)
+        return measurement
 
     def _image_step(self, step: int) -> bool:
-        return bool(self.log_images_every_n_steps) and step % self.log_images_every_n_steps == 0
-
-    def _angles(self, errors: list[Exception]) -> dict[str, dict[str, Tensor]]:
-        """Principal angles (degrees) of every head pair i < j, per projection and layer (in
-        depth order); batched over the layers of one shape by `weight_groups` (the traversal of
-        `compute_report`: sharded layers gathered one at a time, in the same order on every rank).
-        Local failures go to ``errors`` (the gathers still run, so the ranks stay in step)."""
-        values: dict[str, dict[str, Tensor]] = {p: {} for p in self.projections}
-        for projection, members, weights in weight_groups(self.layers, self.projections, fsdp_root=self.fsdp_root):
-            if errors or weights.shape[1] < 2:
-                continue
-            try:
-                angles = pairwise_principal_angles(weights)  # (L, H, H, d)
-                h = angles.shape[1]
-                i, j = torch.triu_indices(h, h, offset=1, device=angles.device)
-                picked = torch.rad2deg(angles[:, i, j].flatten(1)).float().cpu()
-                for index, row in zip(members, picked, strict=True):
-                    values[projection][self.layers[index].name] = row[~torch.isnan(row)]
-            except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
-                errors.append(err)
-            del weights  # a gathered layer is freed before the next one
-        order = [layer.name for layer in self.layers]
-        return {p: {n: vs[n] for n in order if n in vs} for p, vs in values.items()}
-
-    def _write(self, m: Measurement, images: dict[str, Any], histograms: dict[str, Tensor]) -> None:
-        """Write to every sink, each guarded alone: a failing sink loses only its own write."""
-        if not self.sinks:
-            return
-        layout = levels = None
-        if self._delivery.pending(self.sinks):  # until every sink has it (a failed write is retried)
-            names: dict[str, list[str]] = {
-                p: [la.name for la in m.report.layers if la.hdi.get(p) is not None] for p in self.projections
-            }
-            layout = self.dashboard.layout(names, activations=self.activations)
-            levels = self.dashboard.levels_text(m.report, self.projections)
-            self.dashboard.layout_written = True
-        if self._image_step(m.step):
-            with self._guard("drawing the dashboard images"):  # a failure costs the images only
-                images = {
-                    **images,
-                    **self.dashboard.images(
-                        m.report, self.history, step=m.step, projections=self.projections, activations=self.activations
-                    ),
-                }
-        first_error: Exception | None = None
-        for sink in self.sinks:
-            try:
-                if layout is not None and self._delivery.needs(sink):
-                    sink.log_layout(layout)
-                    if levels is not None:
-                        sink.log_text("hdi_levels", levels, m.step)
-                    self._delivery.done(sink)
-                sink.log_scalars(m.scalars, m.step)
-                if images:
-                    sink.log_images(images, m.step)
-                if histograms:
-                    sink.log_histograms(histograms, m.step)
-                for event in m.events:
-                    sink.log_text(f"diversity_events/{event.kind}", event.message, m.step)
-                sink.flush()
-            except Exception as err:  # noqa: BLE001 - one sink's failure must not cost the others
-                first_error = first_error or err
-                if id(sink) not in self._failed_sinks and not self.strict:
-                    self._failed_sinks.add(id(sink))
-                    warn(
-                        f"hdi-monitor: sink {type(sink).__name__} failed at step {m.step} ({type(err).__name__}: {err}); "
-                        "its write is skipped, the other sinks, history and events are kept. Later failures of "
-                        "this sink are not reported again.",
-                        MonitoringWarning,
-                    )
-        if first_error is not None and self.strict:
-            raise first_error
+        every = self.config.image_every_n_steps
+        return bool(every) and step % every == 0
 
     def _dispatch(self, step: int, events: list[DiversityEvent]) -> None:
         """The events of one measured step: a callable gets each one; otherwise at most one
         DiversityWarning (the one message, or a summary) and the stop flag."""
         if not events:
             return
-        if callable(self.on_saturation):
+        if callable(self.config.on_saturation):
             for event in events:
-                self.on_saturation(event)
+                self.config.on_saturation(event)
             return
-        if self.on_saturation == "stop" and any(e.kind in ("saturation", "collapse") for e in events):
+        if self.config.on_saturation == "stop" and any(e.kind in ("saturation", "collapse") for e in events):
             self.stop_requested = True
         message = events[0].message if len(events) == 1 else summarize_events(step, events)
         warn(message, DiversityWarning, rank_zero_only=True)
-
-
-def _is_compiled(model: nn.Module) -> bool:
-    """True if ``model`` or a submodule runs through torch.compile: a ``torch.compile(m)`` wrapper
-    (``OptimizedModule``), an in-place ``m.compile()``, or Lightning's compiled LightningModule."""
-    if getattr(model, "_compiler_ctx", None):
-        return True
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # pragma: no cover - torch without Dynamo
-        return False
-    return any(
-        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()
-    )
 
 
 def _all_ranks_agree(flag: bool) -> bool:

@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "strategy": args.strategy,
         "measured_steps": sorted(measurements),
         "batches": batches,
-        "history": monitor.history,
+        "history": list(monitor.history),  # rows as dicts (the history is a bounded columnar store)
         "token_counts": monitor.tracker.last_token_counts if monitor.tracker is not None else [],
         "monitoring_warnings": [str(w.message) for w in caught if issubclass(w.category, MonitoringWarning)],
         "dtensor_parameters": dtensor,

@@ -1,0 +1,136 @@
+"""Head outputs of torch.compile'd models without touching the compiled graph.
+
+Hooks present when Dynamo traces a module are traced into its graph (extra graphs and graph
+breaks for the rest of the run); hooks added later are not seen at all. So the monitor never
+hooks a compiled forward. Instead, each compiled unit of the model (a ``torch.compile(m)``
+wrapper, an ``m.compile()``'d module) gets, on measured steps only, an eager interception of
+its call: the call's arguments are taken, and before the compiled call runs, a **side forward**
+of the unit's original (uncompiled) module runs on them under ``no_grad``, in eval mode (no
+dropout; each module's flag restored after), inside ``torch.random.fork_rng`` (no generator
+moves), with the head-output hooks attached only for that side forward. Then the compiled call
+runs untouched: same graph, no break, no recompilation, bit-identical training.
+
+Cost: one extra forward (no backward) of each compiled unit per measured micro-batch.
+
+How each kind is intercepted:
+
+* ``torch.compile(m)`` (an ``OptimizedModule``, at the root or as a submodule): a forward
+  pre-hook on the wrapper, which runs eagerly before the compiled call.
+* ``m.compile()`` (in place): the module's ``_compiled_call_impl`` is wrapped for the measured
+  step only (the wrapper runs eagerly; the compiled function itself is the same object).
+
+A LightningModule compiled whole (``trainer.fit(torch.compile(module))``: Lightning compiles its
+``forward`` and ``training_step``) has no eager call boundary around its forward; it is reported
+by `compiled_units` as not interceptable, and the tracker measures it from weights only, with a
+warning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hdi_monitor.models.hooks import eval_mode
+
+__all__ = ["CompiledUnit", "compiled_units", "intercept", "side_forward"]
+
+
+@dataclass
+class CompiledUnit:
+    """A compiled part of the model.
+
+    Attributes:
+        path: its qualified name in the model (``""`` for the root).
+        module: the module the model calls (the wrapper for ``torch.compile(m)``).
+        original: the uncompiled module whose forward the side forward runs.
+        kind: ``"wrapper"`` (``torch.compile(m)``), ``"inplace"`` (``m.compile()``) or
+            ``"lightning"`` (a whole LightningModule compiled by Lightning: not interceptable).
+    """
+
+    path: str
+    module: nn.Module
+    original: nn.Module
+    kind: str
+
+    @property
+    def interceptable(self) -> bool:
+        return self.kind != "lightning"
+
+    def contains(self, path: str) -> bool:
+        """True if the module at qualified name ``path`` lies inside this unit."""
+        return self.path == "" or path == self.path or path.startswith(self.path + ".")
+
+
+def compiled_units(model: nn.Module) -> list[CompiledUnit]:
+    """The outermost compiled units of ``model`` (a unit inside another is run by the outer one's
+    side forward)."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover - torch without Dynamo
+        return []
+    units: list[CompiledUnit] = []
+    if getattr(model, "_compiler_ctx", None):
+        return [CompiledUnit("", model, model, "lightning")]
+    for path, module in model.named_modules():
+        if any(u.contains(path) for u in units):
+            continue
+        if isinstance(module, OptimizedModule):
+            units.append(CompiledUnit(path, module, module._orig_mod, "wrapper"))
+        elif getattr(module, "_compiled_call_impl", None) is not None:
+            units.append(CompiledUnit(path, module, module, "inplace"))
+    return units
+
+
+def _cuda_devices(module: nn.Module) -> list[int]:
+    return sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+
+
+def side_forward(unit: CompiledUnit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Run the unit's original module eagerly on ``args``/``kwargs``: no grad, eval mode, every
+    random generator restored afterwards. The caller attaches and removes the hooks."""
+    with (
+        torch.no_grad(),
+        torch.random.fork_rng(devices=_cuda_devices(unit.original)),
+        eval_mode(unit.original),
+    ):
+        if unit.kind == "inplace":
+            unit.original._call_impl(*args, **kwargs)  # the eager call, not _compiled_call_impl
+        else:
+            unit.original(*args, **kwargs)
+
+
+class _Restore:
+    """A handle whose ``remove()`` puts an in-place compiled module's call back."""
+
+    def __init__(self, module: nn.Module, compiled: Any) -> None:
+        self.module, self.compiled = module, compiled
+
+    def remove(self) -> None:
+        if self.module is not None:
+            self.module._compiled_call_impl = self.compiled
+            self.module = None  # type: ignore[assignment]
+
+
+def intercept(unit: CompiledUnit, on_call: Callable[[tuple[Any, ...], dict[str, Any]], None]) -> Any:
+    """Until the returned handle's ``remove()``, ``on_call(args, kwargs)`` runs eagerly before
+    each call of the unit (then the compiled call runs as usual)."""
+    if unit.kind == "wrapper":
+
+        def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            on_call(args, kwargs)
+
+        return unit.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    if unit.kind != "inplace":
+        raise ValueError(f"{unit.path or '<root>'}: a {unit.kind} compiled unit cannot be intercepted")
+    compiled: Callable[..., Any] = unit.module._compiled_call_impl  # type: ignore[assignment]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        on_call(args, kwargs)
+        return compiled(*args, **kwargs)
+
+    unit.module._compiled_call_impl = call
+    return _Restore(unit.module, compiled)

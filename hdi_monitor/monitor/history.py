@@ -1,0 +1,261 @@
+"""`History`: the bounded, columnar store of every measured step's scalars.
+
+One column per typed series key (`hdi_monitor.monitor.tags.Series`), one row per kept measured
+step, in a preallocated ``(columns, budget)`` float64 tensor: memory, the checkpoint
+(`History.state_dict`) and the diversity map's columns are bounded by ``budget`` whatever the run
+length.
+
+Downsampling rule: when an append finds the store full (``budget`` rows), the older half of the
+rows is halved (every other row is kept, starting with the first, so step 0 stays); the newer
+half is kept whole. So the most recent ``budget // 2`` measured steps are always there in full,
+and older ones are thinned more the older they are (a row of age ``a`` survives at a spacing of
+about ``a / (budget / 2)`` measurements). Kept rows are real measurements (not averages): a point
+of the map or of `History.column` is the value measured at that step.
+
+Rows read as ``{"step": s, tag: value, ...}`` mappings (``history[-1]["hdi/key/mean"]``), made on
+demand from the columns, for readers that want tags; absent values (a layer not measured at that
+step) are left out of the row.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, overload
+
+import torch
+from torch import Tensor
+
+from hdi_monitor.models.base import PROJECTIONS
+from hdi_monitor.monitor.record import Series
+
+__all__ = ["History", "DEFAULT_HISTORY_BUDGET"]
+
+#: Measured steps kept by default (the newest half in full, older ones downsampled).
+DEFAULT_HISTORY_BUDGET = 512
+_STATE_VERSION = 2
+_PER_LAYER = ("effective_heads", "head_correlation")
+
+
+class History(Sequence[Mapping[str, float]]):
+    """Bounded columnar history (see the module docstring for the downsampling rule).
+
+    Args:
+        budget: the most measured steps kept (an integer >= 4).
+    """
+
+    def __init__(self, budget: int = DEFAULT_HISTORY_BUDGET) -> None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 4:
+            raise ValueError(f"history budget must be an integer >= 4, got {budget!r}")
+        self.budget = budget
+        self._steps = torch.zeros(budget, dtype=torch.int64)
+        self._values = torch.empty(0, budget, dtype=torch.float64)
+        self._index: dict[Series, int] = {}
+        self._n = 0
+
+    # ------------------------------------------------------------------ writing
+    def append(self, step: int, values: Mapping[Series, float]) -> None:
+        """Add one measured step (``values``: series -> value); downsamples first if full."""
+        if self._n >= self.budget:
+            self._compact()
+        new = [key for key in values if key not in self._index]
+        if new:
+            for key in new:
+                self._index[key] = len(self._index)
+            pad = torch.full((len(new), self.budget), float("nan"), dtype=torch.float64)
+            self._values = torch.cat([self._values, pad])
+        column = self._values[:, self._n]
+        column.fill_(float("nan"))
+        if values:
+            rows = torch.tensor([self._index[k] for k in values], dtype=torch.int64)
+            column[rows] = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
+        self._steps[self._n] = int(step)
+        self._n += 1
+
+    def drop(self, predicate: Callable[[Series], bool]) -> int:
+        """Remove every series for which ``predicate(key)`` is true (a projection no longer
+        measured after a resume, say); returns how many measured values went with them."""
+        gone = [k for k in self._index if predicate(k)]
+        if not gone:
+            return 0
+        rows = [self._index[k] for k in gone]
+        dropped = int((~torch.isnan(self._values[rows, : self._n])).sum())
+        keep = [k for k in self._index if k not in set(gone)]
+        self._values = self._values[[self._index[k] for k in keep]].clone()
+        self._index = {k: i for i, k in enumerate(keep)}
+        return dropped
+
+    def _compact(self) -> None:
+        """Halve the resolution of the older half of the rows (keep every other one, the first
+        included); the newer half stays whole."""
+        n = self._n
+        half = n // 2
+        keep = torch.cat([torch.arange(0, half, 2), torch.arange(half, n)])
+        m = keep.numel()
+        self._steps[:m] = self._steps[keep].clone()
+        self._values[:, :m] = self._values[:, keep].clone()
+        self._values[:, m:] = float("nan")
+        self._n = m
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def steps(self) -> list[int]:
+        """The kept measured steps, oldest first."""
+        return self._steps[: self._n].tolist()
+
+    def keys(self) -> list[Series]:
+        """Every series seen, in the order first seen."""
+        return list(self._index)
+
+    def column(self, key: Series) -> Tensor:
+        """The kept values of one series (float64, NaN where it was not measured)."""
+        if key not in self._index:
+            return torch.full((self._n,), float("nan"), dtype=torch.float64)
+        return self._values[self._index[key], : self._n].clone()
+
+    def layer_matrix(self, family: str, projection: str | None = None) -> tuple[list[str], Tensor, list[int]]:
+        """Per-layer series of one family (and projection): the layer names (in the order first
+        seen, so layers measured earlier but not now stay as rows), a ``(layers, steps)`` float64
+        copy (NaN where a layer was not measured), and the steps."""
+        keys = [k for k in self._index if k.family == family and k.projection == projection and k.layer is not None]
+        rows = torch.tensor([self._index[k] for k in keys], dtype=torch.int64)
+        values = self._values[rows, : self._n].clone() if keys else torch.empty(0, self._n, dtype=torch.float64)
+        return [k.layer for k in keys if k.layer is not None], values, self.steps
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the store's tensors (fixed once every series has appeared)."""
+        return self._values.numel() * self._values.element_size() + self._steps.numel() * 8
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _row(self, i: int) -> dict[str, float]:
+        values = self._values[:, i].tolist()
+        row = {"step": float(self._steps[i])}
+        row.update({key.tag: v for key, v in zip(self._index, values, strict=True) if v == v})
+        return row
+
+    @overload
+    def __getitem__(self, index: int) -> Mapping[str, float]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Mapping[str, float]]: ...
+
+    def __getitem__(self, index: int | slice) -> Mapping[str, float] | list[Mapping[str, float]]:
+        if isinstance(index, slice):
+            return [self._row(i) for i in range(self._n)[index]]
+        if not -self._n <= index < self._n:
+            raise IndexError(f"history index {index} out of range ({self._n} rows)")
+        return self._row(index % self._n)
+
+    def __iter__(self) -> Iterator[Mapping[str, float]]:
+        return (self._row(i) for i in range(self._n))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"History({self._n} of {self.budget} rows, {len(self._index)} series)"
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Plain Python state (JSON-ready; loadable with ``torch.load(..., weights_only=True)``):
+        the kept steps, and each series' key with its values as base64 float64 bytes. Its size is
+        bounded by the budget."""
+        values = self._values[:, : self._n].contiguous()
+        return {
+            "version": _STATE_VERSION,
+            "budget": self.budget,
+            "steps": self.steps,
+            "columns": [
+                [k.family, k.projection, k.layer, k.stat, base64.b64encode(values[i].numpy().tobytes()).decode("ascii")]
+                for k, i in self._index.items()
+            ],
+        }
+
+    @classmethod
+    def from_state(cls, state: Any, budget: int = DEFAULT_HISTORY_BUDGET) -> History:
+        """A new store of ``budget`` rows holding ``state`` (see `load_state_dict`)."""
+        history = cls(budget)
+        history.load_state_dict(state)
+        return history
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore from `state_dict`, or convert the history of hdi-monitor 0.2 (a list of tag
+        dicts); a history longer than this store's budget is downsampled to fit.
+
+        Raises:
+            ValueError: a state that is neither.
+        """
+        if isinstance(state, list):
+            self._load_rows(state)
+        elif isinstance(state, Mapping) and state.get("version") == _STATE_VERSION:
+            steps = [int(s) for s in state["steps"]]
+            n = len(steps)
+            columns: dict[Series, Tensor] = {}
+            for family, projection, layer, stat, raw in state["columns"]:
+                data = torch.frombuffer(bytearray(base64.b64decode(raw)), dtype=torch.float64)
+                if data.numel() != n:
+                    raise ValueError(f"malformed history state: a column of {data.numel()} values for {n} steps")
+                columns[Series(family, projection, layer, stat)] = data
+            self._fill(steps, columns)
+        else:
+            version = state.get("version") if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(
+                f"unsupported history state ({version!r}): expected the state of History.state_dict() "
+                f"(version {_STATE_VERSION}) or the list of dicts of hdi-monitor 0.2"
+            )
+
+    def _load_rows(self, rows: list[Any]) -> None:
+        """Convert the 0.2 format (``[{"step": s, tag: value, ...}, ...]``): tags are read back to
+        series keys once, here, for old checkpoints only."""
+        keys: dict[str, Series] = {}
+        for row in rows:
+            if not isinstance(row, Mapping) or "step" not in row:
+                raise ValueError("unsupported history state: a 0.2 history row without a 'step'")
+            for tag in row:
+                if tag != "step" and tag not in keys:
+                    keys[tag] = _legacy_series(tag)
+        steps = [int(row["step"]) for row in rows]
+        columns = {
+            key: torch.tensor([float(row.get(tag, float("nan"))) for row in rows], dtype=torch.float64)
+            for tag, key in keys.items()
+        }
+        self._fill(steps, columns)
+
+    def _fill(self, steps: list[int], columns: Mapping[Series, Tensor]) -> None:
+        self._index = {key: i for i, key in enumerate(columns)}
+        self._values = torch.full((len(columns), self.budget), float("nan"), dtype=torch.float64)
+        data = torch.stack(list(columns.values())) if columns else torch.empty(0, len(steps), dtype=torch.float64)
+        self._n = 0
+        # downsample with the same rule as the run itself would have (a no-op within the budget)
+        for j, step in enumerate(steps):
+            if self._n >= self.budget:
+                self._compact()
+            self._values[:, self._n] = data[:, j]
+            self._steps[self._n] = step
+            self._n += 1
+
+
+def _legacy_series(tag: str) -> Series:
+    parts = tag.split("/")
+    if len(parts) >= 3 and parts[0] in ("hdi", "invalid_heads") and parts[1] in PROJECTIONS:
+        rest = "/".join(parts[2:])
+        if rest == "mean" and parts[0] == "hdi":
+            return Series("hdi", parts[1], stat="mean")
+        if rest not in ("min", "max"):
+            return Series(parts[0], parts[1], rest)
+    if len(parts) == 2 and parts[0] in ("hdi_chance", "hdi_max") and parts[1] in PROJECTIONS:
+        return Series(parts[0], parts[1])
+    if len(parts) >= 2 and parts[0] in _PER_LAYER:
+        rest = "/".join(parts[1:])
+        if rest == "mean":
+            return Series(parts[0], stat="mean")
+        if rest not in ("min", "max"):
+            return Series(parts[0], layer=rest)
+    return Series(tag)

@@ -1,0 +1,105 @@
+"""From a measurement record to scalar tags: the one place where values become tag names.
+
+`record_series` turns a `DiversityReport` into typed series keys (`Series`) and values;
+`scalar_tags` adds the dashboard's summaries and gives the ``tag -> value`` dict the sinks write.
+The history (`hdi_monitor.monitor.history`) stores the typed keys, so readers ask it for
+``Series("hdi", "key", layer=...)`` and never parse a tag.
+
+Tag names:
+
+* ``hdi/<projection>/<layer>``, ``invalid_heads/<projection>/<layer>``,
+  ``effective_heads/<layer>``, ``head_correlation/<layer>``: per layer;
+* ``hdi/<projection>/mean``, ``effective_heads/mean``, ``head_correlation/mean`` (and the ``min`` /
+  ``max`` of `hdi_monitor.monitor.dashboard.Dashboard.summary_scalars`): over layers;
+* ``hdi_chance/<projection>``, ``hdi_max/<projection>``: reference levels (means over layers).
+
+A layer whose qualified name is ``mean``, ``min`` or ``max`` (a top-level module so named) would
+collide with the summaries: its tags use ``<name>_layer`` instead (`layer_tag`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import cast
+
+from hdi_monitor.monitor.dashboard import Dashboard
+from hdi_monitor.monitor.detector import DiversityEvent
+from hdi_monitor.monitor.record import RESERVED_LAYER_NAMES, Series, layer_tag
+from hdi_monitor.report import DiversityReport
+
+__all__ = ["Series", "layer_tag", "record_series", "scalar_tags", "RESERVED_LAYER_NAMES"]
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(sum(values) / len(values))
+
+
+def record_series(report: DiversityReport, *, projections: Sequence[str], activations: bool) -> dict[Series, float]:
+    """The typed scalar values of one report: per layer and projection HDI and invalid-head
+    counts, the mean HDI, chance and frame-bound means, and (``activations``) the effective heads
+    and mean correlation per layer with their means. Non-finite values are left out (absent)."""
+    out: dict[Series, float] = {}
+    for p in projections:
+        chance, cap, hdis = [], [], []
+        for layer in report.layers:
+            # on every measured step, so a dead or NaN head is never silent (0 when none)
+            out[Series("invalid_heads", p, layer.name)] = float(len(layer.invalid_heads.get(p) or []))
+            value = layer.hdi.get(p)
+            if value is not None and math.isfinite(value):
+                out[Series("hdi", p, layer.name)] = float(value)
+                hdis.append(float(value))
+                chance.append(layer.chance_hdi[p])
+                if (top := layer.max_hdi.get(p)) is not None:
+                    cap.append(top)
+        if hdis:
+            out[Series("hdi", p, stat="mean")] = _mean(hdis)
+        if chance:
+            out[Series("hdi_chance", p)] = _mean(chance)
+        if cap:
+            out[Series("hdi_max", p)] = _mean(cap)
+    if activations:
+        eff, corr = [], []
+        for layer in report.layers:
+            if (heads := layer.effective_heads) is not None and math.isfinite(heads):
+                out[Series("effective_heads", layer=layer.name)] = float(heads)
+                eff.append(float(heads))
+            if (r := layer.mean_correlation) is not None and math.isfinite(r):
+                out[Series("head_correlation", layer=layer.name)] = float(r)
+                corr.append(float(r))
+        if eff:
+            out[Series("effective_heads", stat="mean")] = _mean(eff)
+        if corr:
+            out[Series("head_correlation", stat="mean")] = _mean(corr)
+    return out
+
+
+def scalar_tags(
+    report: DiversityReport,
+    events: Sequence[DiversityEvent],
+    *,
+    dashboard: Dashboard,
+    projections: Sequence[str],
+    activations: bool,
+    detecting: bool,
+) -> tuple[dict[Series, float], dict[str, float]]:
+    """The series of one record (`record_series` plus the dashboard's summaries: min and max over
+    layers, event counts, the frame bound dropped where it does not bind) and the same values as
+    the ``tag -> value`` dict that sinks write. ``dashboard`` keeps what the summaries remember over
+    the run (the layers that have had an invalid head)."""
+    series = record_series(report, projections=projections, activations=activations)
+    scalars = {key.tag: value for key, value in series.items()}
+    # the summaries are computed from tags by Dashboard.summary_scalars over the layers' tag names
+    # (so a layer called "mean" cannot be mistaken for the mean)
+    tagged = cast(
+        "DiversityReport", SimpleNamespace(layers=[SimpleNamespace(name=layer_tag(la.name)) for la in report.layers])
+    )
+    before = dict(scalars)
+    dashboard.summary_scalars(scalars, tagged, events, projections=projections, detecting=detecting)
+    by_tag: dict[str, Series] = {key.tag: key for key in series}
+    out: dict[Series, float] = {}
+    for tag, value in scalars.items():
+        key = by_tag.get(tag) if tag in before else None
+        out[key if key is not None else Series(tag)] = value
+    return out, scalars
