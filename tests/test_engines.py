@@ -8,6 +8,7 @@ this process from the same seed. The head-count rules are also tested directly o
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 import os
@@ -231,6 +232,12 @@ def test_lightning_model_parallel_tp2(tmp_path: Path, single_track: dict) -> Non
         assert len(res["steps"]) == te.TRACK_STEPS
         assert_same_statistics(_unprefixed(res["steps"]), single_track["steps"])
         assert res["losses"] == plain[r]["losses"] and res["weights"] == plain[r]["weights"]
+    # logged once, by rank 0: one metrics file, each measured step once, the one-process values
+    (metrics,) = (tmp_path / "with" / "logs").rglob("metrics.csv")
+    rows = [r for r in csv.DictReader(metrics.read_text().splitlines()) if r.get("hdi/key/lm.layers.0.attention")]
+    assert [int(r["step"]) for r in rows] == list(range(te.TRACK_STEPS))
+    want = single_track["steps"][0]["layers.0.attention"]["hdi"]["key"]
+    assert float(rows[0]["hdi/key/lm.layers.0.attention"]) == pytest.approx(want, abs=1e-5)
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ import tp_engines as te  # noqa: E402
 
 def run(out: Path, monitor_on: bool, dp: int) -> None:
     import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader
 
@@ -102,7 +103,8 @@ def run(out: Path, monitor_on: bool, dp: int) -> None:
             timeout=timedelta(seconds=60),
         ),
         max_steps=len(batches),
-        logger=False,
+        # the monitor's scalars go to the logger, which writes on rank 0 only (checked by the test)
+        logger=CSVLogger(str(out / "logs"), name="tp") if monitor_on else False,
         callbacks=[*callbacks, Keep()],
         use_distributed_sampler=False,
         limit_val_batches=0,
