@@ -28,7 +28,7 @@ pytest.importorskip("accelerate")
 pytestmark = pytest.mark.slow
 
 PROJECTIONS = ("query", "key", "value", "output")
-STEPS, EVERY = 5, 2
+STEPS, EVERY, ACCUMULATE = 5, 2, 2  # 2 micro-batches per update
 MEASURED = [0, 2, 4]  # 0: the initial weights (no forward); 2, 4: weights and head outputs
 
 
@@ -70,8 +70,8 @@ class Recorder(transformers.TrainerCallback):
         self.states[state.global_step + 1] = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train(tmp_path: Path, monitor=None, steps: int = STEPS):
-    """Train ``steps`` updates (lr > 0, dropout on) of a compiled model; return the model, the trainer, the recorder and
+def train(tmp_path: Path, monitor=None, steps: int = STEPS, accumulate: int = ACCUMULATE):
+    """Train ``steps`` updates of ``accumulate`` micro-batches (lr > 0, dropout on) of a compiled model; return the model, the trainer, the recorder and
     Dynamo's counters of this run."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -81,6 +81,7 @@ def train(tmp_path: Path, monitor=None, steps: int = STEPS):
         output_dir=str(tmp_path / "out"),
         max_steps=steps,
         per_device_train_batch_size=4,
+        gradient_accumulation_steps=accumulate,
         learning_rate=1e-2,
         report_to=[],
         use_cpu=True,
@@ -152,7 +153,7 @@ def test_training_bit_identical_with_and_without_the_callback(runs):
 
 
 def test_measurements_equal_head_diversity_of_the_update(runs):
-    """Step k: the weights at the start of update k, and the head outputs of update k's batch
+    """Step k: the weights at the start of update k, and the head outputs of update k's micro-batches
     through them (eval mode, as ``head_diversity(inputs=...)`` runs)."""
     _, (_, _, recorder, _), monitor, caught = runs
     assert not [w for w in caught if "hdi-monitor" in str(w.message)], [str(w.message) for w in caught]
@@ -160,15 +161,16 @@ def test_measurements_equal_head_diversity_of_the_update(runs):
     for step in (2, 4):
         model = tiny_gpt2()
         model.load_state_dict(recorder.states[step])
-        batch = {k: v for k, v in recorder.batches[step - 1].items() if k != "labels"}
+        first = (step - 1) * ACCUMULATE  # update k trains on micro-batches (k-1)A .. kA-1
+        batches = [{k: v for k, v in b.items() if k != "labels"} for b in recorder.batches[first : first + ACCUMULATE]]
         weights = head_diversity(model, projections=PROJECTIONS)
-        acts = head_diversity(model, inputs=batch)
+        acts = head_diversity(model, inputs=batches)  # every micro-batch of the update, once
         for layer, act in zip(weights.layers, acts.layers, strict=True):
             for projection in PROJECTIONS:
                 assert rows[step][f"hdi/{projection}/{layer.name}"] == pytest.approx(layer.hdi[projection], rel=1e-6)
             assert rows[step][f"effective_heads/{layer.name}"] == pytest.approx(act.effective_heads, rel=1e-5)
-        # a different batch gives different statistics: the check above can fail
-        other = head_diversity(model, inputs={k: v for k, v in recorder.batches[step].items() if k != "labels"})
+        # one micro-batch alone gives other statistics: the check above can fail
+        other = head_diversity(model, inputs=batches[:1])
         assert other.layers[0].effective_heads != pytest.approx(acts.layers[0].effective_heads, rel=1e-5)
 
 
@@ -183,11 +185,11 @@ def test_first_compiled_call_measured(tmp_path):
     runs a side forward; graphs, breaks and weights are still those of the run without the callback."""
     from hdi_monitor.integrations import HDITrainerCallback
 
-    plain = train(tmp_path / "plain", steps=2)
+    plain = train(tmp_path / "plain", steps=2, accumulate=1)
     monitor = HDITrainerCallback(
         every_n_steps=1, log_images_every_n_steps=0, detector=None, strict=True, log_dir=tmp_path / "tb"
     )
-    watched = train(tmp_path / "watched", monitor, steps=2)
+    watched = train(tmp_path / "watched", monitor, steps=2, accumulate=1)
     assert [int(row["step"]) for row in monitor.history] == [0, 1, 2]
     assert all(
         torch.isfinite(torch.tensor(row[f"effective_heads/transformer.h.{i}.attn"]))
