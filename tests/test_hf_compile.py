@@ -201,3 +201,77 @@ def test_first_compiled_call_measured(tmp_path):
     after = watched[0].state_dict()
     for name, tensor in plain[0].state_dict().items():
         assert torch.equal(tensor, after[name]), name
+
+
+def test_model_compiled_before_the_trainer(tmp_path):
+    """``Trainer(torch.compile(model))``: the callback gets the wrapper itself and hooks nothing
+    inside it; graphs, breaks and weights equal the run without the callback."""
+    from hdi_monitor.integrations import HDITrainerCallback
+
+    def run(monitor):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        model = tiny_gpt2()
+        compiled = torch.compile(model, backend="aot_eager")
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "out"),
+            max_steps=2,
+            per_device_train_batch_size=4,
+            learning_rate=1e-2,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+            remove_unused_columns=False,  # the wrapper's forward takes (*args, **kwargs)
+        )
+        callbacks = [monitor] if monitor is not None else []
+        try:
+            transformers.Trainer(model=compiled, args=args, train_dataset=Tokens(), callbacks=callbacks).train()
+            counters = (
+                torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                dict(torch._dynamo.utils.counters["graph_break"]),
+            )
+        finally:
+            torch._dynamo.reset()
+        return model, compiled, counters
+
+    plain, _, plain_counters = run(None)
+    monitor = HDITrainerCallback(
+        every_n_steps=1, log_images_every_n_steps=0, detector=None, strict=True, log_dir=tmp_path / "tb"
+    )
+    watched, compiled, counters = run(monitor)
+    assert counters == plain_counters and counters[0] >= 1
+    after = watched.state_dict()
+    for name, tensor in plain.state_dict().items():
+        assert torch.equal(tensor, after[name]), name
+    rows = list(monitor.history)
+    assert [int(row["step"]) for row in rows] == [0, 1, 2]
+    for row in rows[1:]:  # torch.compile(m) puts the model under `_orig_mod`, and so its tags
+        for i in range(2):
+            assert torch.isfinite(torch.tensor(row[f"effective_heads/_orig_mod.transformer.h.{i}.attn"]))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in compiled.modules())
+
+
+def test_compiled_trainer_not_found_measures_weights_only_and_says_so(tmp_path):
+    """``torch_compile=True`` but no Trainer on the stack to take the compiled wrapper from (the
+    callback driven by hand): no hook on the model, activation statistics off, one warning."""
+    from transformers.trainer_callback import TrainerControl, TrainerState
+
+    from hdi_monitor.exceptions import MonitoringWarning
+    from hdi_monitor.integrations import HDITrainerCallback
+
+    model = tiny_gpt2()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], torch_compile=True, torch_compile_backend="aot_eager"
+    )
+    monitor = HDITrainerCallback(every_n_steps=1, detector=None, strict=True, log_dir=tmp_path / "tb")
+    with pytest.warns(MonitoringWarning, match="torch_compile is set but the Trainer's compiled model was not found"):
+        monitor.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
+    try:
+        assert monitor.tracker is not None and not monitor.tracker.activations
+        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+        assert [int(row["step"]) for row in monitor.history] == [0]  # the weights at the start
+        assert "hdi/key/transformer.h.0.attn" in monitor.history[-1]
+    finally:
+        monitor.close()
