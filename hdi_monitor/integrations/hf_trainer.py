@@ -27,6 +27,22 @@ backward (gradient checkpointing) is not counted twice, and evaluation passes be
 not captured. All hooks come off in ``on_train_end`` (or with `HDITrainerCallback.close`
 after a training run that raised).
 
+**torch.compile.** With ``TrainingArguments(torch_compile=True)`` the Trainer (through accelerate)
+trains ``torch.compile(model)`` while callbacks get the uncompiled ``model``. No hook is then ever
+put inside the compiled region: the callback keeps no hook on the model, finds the compiled wrapper
+the Trainer calls (``trainer.model_wrapped``), and on measured updates only a forward pre-hook on
+that wrapper (outside the compiled code) runs, before each micro-batch's compiled call, a **side
+forward** of the uncompiled ``model`` on the same batch: no grad, eval mode (no dropout), every
+random generator restored, with the head-output hooks on only meanwhile
+(`hdi_monitor.monitor.compiled`). The compiled graph, its guards and the training are those of
+the run without the callback (same graph and graph-break counts, bit-identical weights). The cost
+is one extra eager forward, without backward, per micro-batch of a measured update; the head
+outputs are those of that eval-mode forward (without dropout), which is what `head_diversity`
+with ``inputs=`` reports for the same weights and batch. A model compiled before it was handed to
+the Trainer (``Trainer(torch.compile(model))``) is treated the same way. If the Trainer compiles
+but its wrapper cannot be found, activation statistics are turned off with a `MonitoringWarning`
+and the weight-based HDI is still measured.
+
 **Where it writes.** To ``writer`` if given. Otherwise, with ``report_to="tensorboard"``, to the
 Trainer's own TensorBoard writer (that of its ``TensorBoardCallback``), so the loss and the HDI are
 one run in TensorBoard. Without a TensorBoard callback, to a new ``SummaryWriter`` in ``log_dir``,
@@ -54,6 +70,7 @@ step.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import socket
@@ -66,8 +83,11 @@ from typing import Any
 from torch import nn
 
 from hdi_monitor._validation import check_bool
+from hdi_monitor.exceptions import MonitoringWarning
 from hdi_monitor.functional.diversity import Weighting
 from hdi_monitor.models.spec import AttentionSpec
+from hdi_monitor.monitor._warnings import warn
+from hdi_monitor.monitor.compiled import called_through, compiled_units
 from hdi_monitor.monitor.config import DEFAULTS, DetectorArg, EventAction, MonitorConfig, check_detector
 from hdi_monitor.monitor.history import History
 from hdi_monitor.monitor.tracker import HDITracker, Measurement
@@ -131,6 +151,33 @@ def _trainer_tensorboard_writer(args: Any) -> Any:
             board.logging_dir = os.path.join(str(args.output_dir), default_logdir())
         board._init_summary_writer(args)
     return board.tb_writer
+
+
+def _trainer_compiled_wrapper(model: nn.Module) -> nn.Module | None:
+    """The ``torch.compile`` wrapper the running Trainer calls ``model`` through
+    (``trainer.model_wrapped``, made by accelerate's ``prepare`` under ``torch_compile=True``), or
+    None when it calls no compiled wrapper of ``model`` or cannot be found.
+
+    Like `_trainer_tensorboard_writer`, the Trainer is found on the caller's stack (it is calling
+    ``on_train_begin`` through its ``CallbackHandler``); a callback is not given it."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    from transformers import Trainer
+
+    frame: FrameType | None = sys._getframe(1)
+    trainer = None
+    for _ in range(12):  # on_train_begin <- call_event <- handler.on_train_begin <- _inner_training_loop
+        if frame is None:
+            break
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            trainer = candidate
+            break
+        frame = frame.f_back
+    del frame
+    wrapped = getattr(trainer, "model_wrapped", None)
+    if isinstance(wrapped, OptimizedModule) and any(m is model for m in wrapped.modules()):
+        return wrapped
+    return None
 
 
 def _json_ready(value: Any) -> bool:
@@ -272,6 +319,8 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
         self.tracker: HDITracker | None = None
         self._own_writer: Any = None
         self._root_handles: list[Any] = []
+        self._outer: Any = None  # handle of called_through(model, the Trainer's compiled wrapper)
+        self._compiled_root = False  # the model's forward runs compiled: no hook on it, side forwards
         self._measuring: int | None = None  # the step whose forward passes are being captured
         self._restored_state: dict[str, Any] | None = None  # from a checkpoint, applied in on_train_begin
 
@@ -311,9 +360,26 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
         if not isinstance(model, nn.Module):
             raise TypeError("HDITrainerCallback: the Trainer passed no model to on_train_begin")
         self.close()  # a second trainer.train() starts clean
+        config = self.config
+        if not any(unit.path == "" for unit in compiled_units(model)):
+            wrapper = _trainer_compiled_wrapper(model)
+            if wrapper is not None:  # torch_compile=True: the Trainer calls torch.compile(model)
+                self._outer = called_through(model, wrapper)
+        # the model's whole forward is compiled (by the Trainer, or before it got the model)
+        self._compiled_root = any(unit.path == "" for unit in compiled_units(model))
+        if not self._compiled_root and getattr(args, "torch_compile", False) and config.activations:
+            config = dataclasses.replace(config, activations=False)
+            warn(
+                "hdi-monitor: TrainingArguments.torch_compile is set but the Trainer's compiled model was not "
+                "found, so head outputs cannot be taken without hooking the compiled graph. Activation "
+                "statistics (covariance, effective heads) are off; the weight-based HDI is measured. Pass "
+                "activations=False to silence this warning.",
+                MonitoringWarning,
+                rank_zero_only=True,
+            )
         tracker = HDITracker(
             model,
-            self.config,
+            config,
             detector=copy.deepcopy(self.detector),  # untouched copies: runs never share detector state
             activation_detector=copy.deepcopy(self.activation_detector),
         )
@@ -334,7 +400,7 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
 
             tracker.sinks.append(TensorBoardSink(writer))
         self.tracker = tracker
-        if self.activations:
+        if tracker.activations and not self._compiled_root:
             self._root_handles = [
                 model.register_forward_pre_hook(self._forward_begins, with_kwargs=True),
                 model.register_forward_hook(self._forward_ends, always_call=True),
@@ -348,6 +414,10 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
             return
         step = state.global_step + 1  # where the Trainer will log this update's loss
         if self.tracker.begin(step):  # measures the weights; hooks follow the model's forwards
+            if self._compiled_root:
+                # the tracker's pre-hook on the compiled wrapper (not inside it) stays until finish():
+                # a side forward before each micro-batch's compiled call
+                return
             self.tracker.stop_capture()
             self._measuring = step if self.activations else None
 
@@ -376,6 +446,10 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
             handle.remove()
         if self.tracker is not None:
             self.tracker.close()
+        if self._outer is not None:
+            self._outer.remove()
+            self._outer = None
+        self._compiled_root = False
         if self._own_writer is not None:
             self._own_writer.close()
             self._own_writer = None

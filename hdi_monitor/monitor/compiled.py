@@ -19,6 +19,12 @@ How each kind is intercepted:
 * ``m.compile()`` (in place): the module's ``_compiled_call_impl`` is wrapped for the measured
   step only (the wrapper runs eagerly; the compiled function itself is the same object).
 
+* a model compiled *outside* the tracker's view (the Hugging Face Trainer / accelerate call
+  ``torch.compile(model)`` and hand callbacks the uncompiled ``model``): the integration names the
+  wrapper the model is called through with `called_through`, and `compiled_units(model)` then
+  reports one ``"wrapper"`` unit at the root whose original is ``model`` itself (so a side forward
+  never runs through a DDP wrapper between the two). The tracker needs no other change.
+
 A LightningModule compiled whole (``trainer.fit(torch.compile(module))``: Lightning compiles its
 ``forward`` and ``training_step``) has no eager call boundary around its forward; it is reported
 by `compiled_units` as not interceptable, and the tracker measures it from weights only, with a
@@ -27,6 +33,7 @@ warning.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +43,11 @@ from torch import nn
 
 from hdi_monitor.models.hooks import eval_mode
 
-__all__ = ["CompiledUnit", "compiled_units", "intercept", "side_forward"]
+__all__ = ["CompiledUnit", "called_through", "compiled_units", "intercept", "side_forward"]
+
+# model -> the compiled wrapper it is called through, for wrappers made outside the model (see
+# `called_through`); weak keys: a model that is gone takes its entry with it
+_OUTER: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -72,6 +83,9 @@ def compiled_units(model: nn.Module) -> list[CompiledUnit]:
         from torch._dynamo.eval_frame import OptimizedModule
     except ImportError:  # pragma: no cover - torch without Dynamo
         return []
+    outer = _OUTER.get(model)
+    if outer is not None:
+        return [CompiledUnit("", outer, model, "wrapper")]
     units: list[CompiledUnit] = []
     if getattr(model, "_compiler_ctx", None):
         return [CompiledUnit("", model, model, "lightning")]
@@ -83,6 +97,38 @@ def compiled_units(model: nn.Module) -> list[CompiledUnit]:
         elif getattr(module, "_compiled_call_impl", None) is not None:
             units.append(CompiledUnit(path, module, module, "inplace"))
     return units
+
+
+class _Forget:
+    """The handle of `called_through`: ``remove()`` drops the entry (idempotent)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model: weakref.ref[nn.Module] = weakref.ref(model)
+
+    def remove(self) -> None:
+        model = self.model()
+        if model is not None:
+            _OUTER.pop(model, None)
+
+
+def called_through(model: nn.Module, wrapper: nn.Module) -> _Forget:
+    """Declare that ``model`` is called through ``wrapper``, a ``torch.compile`` wrapper made
+    outside it (``wrapper`` contains ``model``, possibly under a DDP wrapper). Until the returned
+    handle's ``remove()``, `compiled_units(model)` reports ``wrapper`` as one unit at the root whose
+    side forward calls ``model`` eagerly.
+
+    Raises:
+        TypeError: ``wrapper`` is not a ``torch.compile`` wrapper (``OptimizedModule``).
+        ValueError: ``model`` is not inside ``wrapper``.
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if not isinstance(wrapper, OptimizedModule):
+        raise TypeError(f"wrapper must be a torch.compile wrapper (OptimizedModule), got {type(wrapper).__name__}")
+    if not any(m is model for m in wrapper.modules()):
+        raise ValueError(f"{type(model).__name__} is not inside the compiled wrapper it is said to be called through")
+    _OUTER[model] = wrapper
+    return _Forget(model)
 
 
 def _cuda_devices(module: nn.Module) -> list[int]:
