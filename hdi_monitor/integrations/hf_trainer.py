@@ -427,6 +427,11 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._finish(control)  # no-op unless no optimizer step happened
+        max_steps = getattr(state, "max_steps", 0) or 0
+        if self.tracker is not None and max_steps and state.global_step >= max_steps:
+            # the last step: draw and write its pictures now, while the Trainer's TensorBoard writer is
+            # still open (its callback closes it in on_train_end, which may come before ours)
+            self.tracker.close()
 
     def _finish(self, control: Any) -> None:
         if self.tracker is None:
