@@ -744,4 +744,3 @@ class HDITracker:
             self.stop_requested = True
         message = events[0].message if len(events) == 1 else summarize_events(step, events)
         warn(message, DiversityWarning, rank_zero_only=True)
-
