@@ -42,8 +42,8 @@ SETTINGS: tuple[str, ...] = (
 Gather = Callable[[Tensor], list[Tensor]]
 GatherObjects = Callable[[Any], list[Any]]
 Agree = Callable[[bool], bool]
-"""``flag -> AND of flag over the ranks``: the collective `HDITracker.finish` runs on measured steps
-(`all_agree` by default; `HDITracker.agree` takes another, e.g. a counting one in tests)."""
+"""``flag -> AND of flag over the ranks``: the collective ``HDITracker.finish`` runs on measured steps
+(`all_agree` by default; ``HDITracker.agree`` takes another, e.g. a counting one in tests)."""
 
 
 def _layer_text(layer: AttentionLayer) -> str:
@@ -205,7 +205,7 @@ def check_ranks_agree(
 def all_agree(flag: bool) -> bool:
     """Logical AND of ``flag`` over all ranks: one ``all_reduce`` (MIN) of one int32, a collective
     that every rank must reach; ``flag`` itself (no collective) outside ``torch.distributed`` or with
-    one rank. `HDITracker.finish` calls it twice per measured step (all ranks hold the measurement;
+    one rank. ``HDITracker.finish`` calls it twice per measured step (all ranks hold the measurement;
     all ranks computed it) and never on other steps."""
     dist = _dist()
     if dist is None:

@@ -204,8 +204,9 @@ class HDITracker:
         if fsdp_root is None and is_fsdp1_module(model):
             fsdp_root = model
         self.fsdp_root: nn.Module | None = fsdp_root
-        #: the ranks' agreement collective of `finish` (`hdi_monitor.monitor.ranks.Agree`); replaceable
         self.agree: ranks.Agree = ranks.all_agree
+        """``flag -> AND over the ranks``, the collective `finish` runs on measured steps (default
+        ``hdi_monitor.monitor.ranks.all_agree``); replace it to count or simulate it (tests)."""
 
         self.history = History(config.history_budget)
         self.events: list[DiversityEvent] = []
