@@ -16,7 +16,6 @@ from einops import rearrange
 from torch import nn
 
 from hdi_monitor.ablation import ablate_heads, head_output_means
-from hdi_monitor.ablation._hooks import output_module
 from hdi_monitor.models import find_attention_layers
 
 transformers = pytest.importorskip("transformers")
@@ -92,7 +91,7 @@ def _run(model: nn.Module, batch) -> torch.Tensor:
 
 def _out_weight_bias(layer) -> tuple[torch.Tensor, torch.Tensor | None]:
     w = rearrange(layer.head_weights("output"), "h m d -> m (h d)")
-    mod = layer.module.out_proj if layer.family == "torch_mha" else output_module(layer)
+    mod = layer.module.out_proj if layer.family == "torch_mha" else layer.output_module
     return w, mod.bias
 
 
@@ -119,7 +118,7 @@ def test_zero_ablation_equals_out_projection_of_zeroed_head_outputs(family):
         _run(model, batch)
     (o,) = captured
     seen = []
-    target = layer.module if family == "torch_mha" else output_module(layer)
+    target = layer.module if family == "torch_mha" else layer.output_module
     with torch.no_grad(), ablate_heads(model, {layer.name: [0, 2]}):
         # registered after the ablation's hooks, so it sees the edited output (MHA: post-hook order)
         hook = target.register_forward_hook(

@@ -125,7 +125,8 @@ def test_several_batches_of_varied_shapes_and_dtypes():
         acc.update(b)
     flat = np.concatenate([b.double().reshape(-1, width).numpy() for b in batches])
     assert acc.num_tokens == flat.shape[0]
-    assert acc._sum.dtype == torch.float64
+    state = acc.state_dict()
+    assert state["sum"].dtype == state["m2"].dtype == torch.float64
     assert_close(acc.compute().covariance, brute_covariance(flat, w_out.double().numpy()), rtol=1e-6)
 
 
@@ -314,7 +315,8 @@ def test_state_is_h_squared_plus_h_d_numbers(h, d, dim):
     acc = HeadCovarianceAccumulator(h, d, w_out=torch.randn(h, dim, d, generator=gen))
     assert acc.state_nbytes == 0
     acc.update(torch.randn(3, 7, h * d, generator=gen))
-    live = [acc._n, acc._sum, acc._m2]
+    state = acc.state_dict()  # copies of the live state tensors, same shapes and dtypes
+    live = [state["num_tokens"], state["sum"], state["m2"]]
     assert sorted(tuple(t.shape) for t in live) == sorted([(), (h, dim), (h, h)])
     assert all(t.element_size() == 8 for t in live)
     assert acc.state_nbytes == sum(t.numel() * 8 for t in live) == 8 * (h * h + h * dim + 1)
@@ -478,7 +480,8 @@ def test_cuda_state_stays_on_device_and_memory_is_flat():
         acc.update(o)
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - base)
-        assert acc._m2.device.type == "cuda" and acc._sum.device.type == "cuda"
+        assert acc.device.type == "cuda"
+        assert all(acc.state_dict()[k].device.type == "cuda" for k in ("num_tokens", "sum", "m2"))
         keep = subsample_mask(torch.ones(n, dtype=torch.bool), n - 1, None)  # only for the count
         cpu = HeadCovarianceAccumulator(h, d, w_out=w_out.cpu().double())
         cpu.load_state_dict(acc.state_dict())

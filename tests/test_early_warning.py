@@ -53,7 +53,7 @@ def test_warn_mode_does_not_stop(tmp_path):
         detector=SaturationDetector(patience=2, warmup_steps=0),
     )
     t = trainer(tmp_path, monitor, max_steps=12)
-    with pytest.warns(DiversityWarning):
+    with pytest.warns(DiversityWarning, match="saturation"):
         t.fit(tiny_lm(lr=0.0), loader())
     assert t.global_step == 12
 

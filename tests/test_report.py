@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-import hdi_monitor.report as report_mod
 from hdi_monitor.models import AttentionSpec, find_attention_layers
 from hdi_monitor.report import DiversityReport, LayerDiversity, compute_report, head_diversity
 
@@ -76,19 +75,21 @@ def encoder(num_layers: int = 4, **kw) -> nn.TransformerEncoder:
 # ----------------------------------------------------------------------------- values and batching
 
 
-def test_batched_once_per_projection_and_values_match_bruteforce(monkeypatch):
+def _products(fn):
+    """Run ``fn()`` under torch's profiler; the input shapes of its matrix products, in order."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        result = fn()
+    return result, [e.input_shapes[0] for e in prof.events() if e.name == "aten::matmul"]
+
+
+def test_batched_once_per_projection_and_values_match_bruteforce():
     model = encoder(4)
     layers = find_attention_layers(model)
-    calls = []
-    real = report_mod.subspace_overlap
-
-    def counting(heads, weighting="spectral", **kw):
-        calls.append(tuple(heads.shape))
-        return real(heads, weighting, **kw)
-
-    monkeypatch.setattr(report_mod, "subspace_overlap", counting)
-    rep = compute_report(layers, projections=ALL)
-    assert calls == [(4, H, D, D // H)] * 4  # one batched call per projection, all 4 layers stacked
+    rep, products = _products(lambda: compute_report(layers, projections=ALL))
+    # every product of the overlaps has all 4 layers stacked on its batch dimension (no per-layer
+    # loop); one block row of the Gram matrix per head, per projection
+    assert len(products) == len(ALL) * H
+    assert all(shape == [4, D // H, D] for shape in products), products
     for lay, res in zip(layers, rep.layers, strict=True):
         for proj in ALL:
             ref = hdi_spectral_bruteforce(mha_heads_numpy(lay.module, proj))
@@ -107,7 +108,7 @@ def test_uniform_weighting_matches_scipy():
             assert res.chance_hdi[proj] == pytest.approx(1 - (D // H) / D)
 
 
-def test_mixed_shapes_are_grouped(monkeypatch):
+def test_mixed_shapes_are_grouped():
     torch.manual_seed(0)
     model = nn.ModuleDict(
         {
@@ -117,16 +118,11 @@ def test_mixed_shapes_are_grouped(monkeypatch):
             "x": nn.MultiheadAttention(D, H, kdim=24, vdim=24),
         }
     )
-    calls = []
-    real = report_mod.subspace_overlap
-
-    def counting(w, wt="spectral", **k):
-        calls.append(w.shape)
-        return real(w, wt, **k)
-
-    monkeypatch.setattr(report_mod, "subspace_overlap", counting)
-    rep = head_diversity(model, projections=("key",))
-    assert sorted(tuple(s) for s in calls) == sorted([(2, H, D, 8), (1, 2, D, 16), (1, H, 24, 8)])
+    rep, products = _products(lambda: head_diversity(model, projections=("key",)))
+    # layers of one shape share their products: a and c stacked (2 layers, H heads of 8 over D
+    # inputs), b (2 heads of 16) and x (H heads of 8 over 24 inputs) alone; one per block row
+    groups = {(2, 8, D): H, (1, 16, D): 2, (1, 8, 24): H}
+    assert sorted(tuple(s) for s in products) == sorted(shape for shape, rows in groups.items() for _ in range(rows))
     for name, res in zip(("a", "b", "c", "x"), rep.layers, strict=True):
         assert res.name == name
         assert res.hdi["key"] == pytest.approx(hdi_spectral_bruteforce(mha_heads_numpy(model[name], "key")), abs=1e-5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -308,7 +309,7 @@ def test_bad_input_exits_2_with_one_line(capsys, tmp_path, lightning_ckpt, tiny_
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    from hdi_monitor.cli._common import CLIError
+    from hdi_monitor.cli import CLIError
 
     with pytest.raises(CLIError, match="no such file"):
         main(["--debug", "report", str(tmp_path / "missing")])
@@ -430,22 +431,24 @@ def test_folder_where_a_file_is_expected_in_out(capsys, tmp_path, lightning_ckpt
     assert str(tmp_path / "r" / "index.html") in line and "Is a directory" in line
 
 
-def test_full_disk_while_writing_figures(capsys, tmp_path, lightning_ckpt, monkeypatch):
-    """Item 7: a full disk under --out (simulated: the report writer raises ENOSPC)."""
-    import errno
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs POSIX file-size limits")
+def test_full_disk_while_writing_figures(capsys, tmp_path, lightning_ckpt):
+    """Item 7: the disk refuses a write under --out (a real one: a 2 KiB file-size limit, so the
+    first figure fails with EFBIG as a full disk fails with ENOSPC): one error line naming --out."""
+    import resource
 
-    import hdi_monitor.cli.html as report_html
-
-    target = tmp_path / "r" / "hdi_by_layer.png"
-
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
-
-    monkeypatch.setattr(report_html, "write_report", full)
-    line = _one_error_line(
-        *run_cli(capsys, lightning_ckpt[0], "--module", "hdi_monitor.contrib.demo.CharLM", "--out", tmp_path / "r")
-    )
-    assert str(target) in line and "No space left on device" in line
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing us
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2048, hard))
+    try:
+        code, out, err = run_cli(
+            capsys, lightning_ckpt[0], "--module", "hdi_monitor.contrib.demo.CharLM", "--out", tmp_path / "r"
+        )
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    line = _one_error_line(code, out, err)
+    assert f"cannot write '{tmp_path / 'r'}'" in line and "File too large" in line, line
 
 
 @pytest.mark.slow

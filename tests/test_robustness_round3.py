@@ -235,7 +235,7 @@ def test_an_output_projection_called_as_f_linear_is_named_once():
     model = Net(layers=2, dropout=0.0, functional_out=True)
     tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=0, strict=True)
     x = torch.randint(0, VOCAB, (2, T))
-    with pytest.warns(MonitoringWarning) as record:
+    with pytest.warns(MonitoringWarning, match="head-output hook on Linear never fired") as record:
         for _ in range(2):
             with tracker.capture(x):
                 model(x)
@@ -414,7 +414,7 @@ def test_resume_with_changed_schedule_and_projections_says_what_changed_and_keep
         first.step()
     state = copy.deepcopy(first.state_dict())
     second = HDITracker(model, every_n_steps=5, projections=("query", "value"), log_images_every_n_steps=0)
-    with pytest.warns(MonitoringWarning) as record:
+    with pytest.warns(MonitoringWarning, match="resumed with changed settings") as record:
         second.load_state_dict(state)
     (text,) = [str(w.message) for w in record]
     assert text.startswith("hdi-monitor: resumed with changed settings; 3 measured point(s) of the history are kept.")

@@ -7,10 +7,13 @@ import warnings
 
 import pytest
 import torch
+from einops import rearrange
 from torch import nn
 
 import hdi_monitor.monitor.tracker as tracker_mod
 from hdi_monitor import HDIMonitor, HDITracker, head_diversity
+from hdi_monitor.models import AttentionSpec
+from hdi_monitor.monitor import ranks
 
 
 def encoder(seed: int = 0) -> nn.Module:
@@ -19,46 +22,53 @@ def encoder(seed: int = 0) -> nn.Module:
     return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
 
 
-def test_unmeasured_steps_run_no_collective_and_no_measurement(monkeypatch):
-    calls = []
-    real = tracker_mod._all_ranks_agree
-    monkeypatch.setattr(tracker_mod, "_all_ranks_agree", lambda flag: calls.append(flag) or real(flag))
+def test_unmeasured_steps_run_no_collective_and_no_measurement():
     model = encoder()
     tracker = HDITracker(model, every_n_steps=100, log_images_every_n_steps=0, strict=True)
+    calls = []
+    tracker.agree = lambda flag: calls.append(flag) or ranks.all_agree(flag)  # the public collective seam
     x = torch.randn(2, 5, 16)
     for _ in range(10):
         with tracker.capture(x):
             model(x)
         tracker.step()
     assert [h["step"] for h in tracker.history] == [0]
-    assert len(calls) == 2  # step 0 only: "all hold it" and "all succeeded"
+    assert calls == [True, True]  # step 0 only: "all hold it" and "all succeeded"
 
 
-def test_a_failed_hook_skips_the_step_and_is_not_restarted(monkeypatch):
-    import hdi_monitor.models.hooks as capture
+class SelfAttention(nn.Module):
+    """Plain multi-head self-attention, watched through an AttentionSpec (its mask from ``batch["mask"]``)."""
 
-    model = encoder()
-    tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=0)
-    real = capture._on_output
-    state = {"fail": True}
+    def __init__(self, dim: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim) for _ in range(4))
 
-    def flaky(*args, **kwargs):
-        if state["fail"]:
-            raise RuntimeError("hook broke")
-        real(*args, **kwargs)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (rearrange(w(x), "b t (h d) -> b h t d", h=self.heads) for w in (self.wq, self.wk, self.wv))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.wo(rearrange(o, "b h t d -> b t (h d)"))
 
-    monkeypatch.setattr(capture, "_on_output", flaky)
+
+def test_a_failed_hook_skips_the_step_and_is_not_restarted():
+    torch.manual_seed(0)
+    model = nn.Sequential(SelfAttention())
+    spec = AttentionSpec(modules="0", query="wq", key="wk", value="wv", output="wo", num_heads=4, mask_key="mask")
+    tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=0, spec=spec)
     x = torch.randn(2, 5, 16)
-    with pytest.warns(tracker_mod.MonitoringWarning, match="hook broke"):
-        with tracker.capture(x):  # micro-batch 1 of step 0: the hook fails, the forward goes on
+    # a token mask of the right shape that the hook cannot read (no data: a meta tensor); the model
+    # itself never sees it, so the forward runs and only the monitor's head-output hook fails
+    broken = {"mask": torch.ones(2, 5, dtype=torch.bool, device="meta")}
+    with pytest.warns(tracker_mod.MonitoringWarning, match="error while capturing head outputs.*meta"):
+        with tracker.capture(broken):  # micro-batch 1 of step 0: the hook fails, the forward goes on
             out = model(x)
     assert torch.isfinite(out).all()
-    state["fail"] = False
-    with tracker.capture(x) as measured:  # micro-batch 2 of the same step: not restarted
+    good = {"mask": torch.ones(2, 5, dtype=torch.bool)}
+    with tracker.capture(good) as measured:  # micro-batch 2 of the same step: not restarted
         model(x)
     assert measured is False
     assert tracker.step() is None  # step 0 is skipped, not replaced by a partial measurement
-    with tracker.capture(x):
+    with tracker.capture(good):
         model(x)
     assert tracker.step().step == 1
     assert [h["step"] for h in tracker.history] == [1]
@@ -150,21 +160,20 @@ def _hdi_scalars(report, projections=("query", "key", "value", "output")) -> dic
     }
 
 
-def test_replaced_mha_is_picked_up_with_one_warning_and_measured_correctly(monkeypatch):
+def test_replaced_mha_is_picked_up_with_one_warning_and_measured_correctly():
     """Item 2: a replaced nn.MultiheadAttention (new head count) gives one MonitoringWarning naming the
     layer and what changed; from then on the new module is measured (= head_diversity of the changed
     model, weights and head outputs). Steps where nothing changed do not search the model again."""
-    searches = []
-    real_find = tracker_mod.find_attention_layers
-    monkeypatch.setattr(tracker_mod, "find_attention_layers", lambda *a, **k: searches.append(1) or real_find(*a, **k))
     model = encoder()
     x = torch.randn(3, 7, 16)
     tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=0, strict=True)
+    found = tracker.setup()  # a search returns a new list of new AttentionLayer objects
     for _ in range(3):
         with tracker.capture(x):
             model(x)
         tracker.step()
-    assert len(searches) == 1  # found once; unchanged steps only compare module identity and shapes
+    # found once; unchanged steps only compare module identity and shapes (a search would replace them)
+    assert tracker.layers is found and all(a is b for a, b in zip(tracker.layers, found, strict=True))
     torch.manual_seed(5)
     model.layers[0].self_attn = nn.MultiheadAttention(16, 2, batch_first=True)
     for _ in range(2):
@@ -177,8 +186,11 @@ def test_replaced_mha_is_picked_up_with_one_warning_and_measured_correctly(monke
         if _ == 0:
             assert len(notes) == 1, notes
             assert "layers.0.self_attn: module replaced, 4 heads of width 4 -> 2 heads of width 8" in notes[0]
+            assert tracker.layers is not found  # one more search, at the step of the change ...
+            rediscovered = tracker.layers
         else:
             assert notes == []  # nothing changed since: no warning, no rediscovery message
+            assert tracker.layers is rediscovered  # ... and none after it
     ref = head_diversity(model, projections=("query", "key", "value", "output"), inputs=x)
     last = tracker.history[-1]
     for tag, value in _hdi_scalars(ref).items():
@@ -186,7 +198,7 @@ def test_replaced_mha_is_picked_up_with_one_warning_and_measured_correctly(monke
     assert ref.layers[0].num_heads == 2
     assert last["effective_heads/layers.0.self_attn"] == pytest.approx(ref.layers[0].effective_heads, rel=1e-6)
     assert tracker.layers[0].module is model.layers[0].self_attn
-    assert len(searches) == 2  # one more search, at the step of the change only
+    assert [h["step"] for h in tracker.history] == [0, 1, 2, 3, 4]
 
 
 def test_pruned_bert_heads_are_picked_up_and_measured_correctly():

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from hdi_monitor.models import AttentionLayer
 
-__all__ = ["SETTINGS", "check_ranks_agree", "digest", "disagreement", "fingerprint"]
+__all__ = ["SETTINGS", "Agree", "all_agree", "check_ranks_agree", "digest", "disagreement", "fingerprint"]
 
 #: The settings compared across ranks, in this order (the order of the hashes in the collective).
 SETTINGS: tuple[str, ...] = (
@@ -41,6 +41,9 @@ SETTINGS: tuple[str, ...] = (
 
 Gather = Callable[[Tensor], list[Tensor]]
 GatherObjects = Callable[[Any], list[Any]]
+Agree = Callable[[bool], bool]
+"""``flag -> AND of flag over the ranks``: the collective ``HDITracker.finish`` runs on measured steps
+(`all_agree` by default; ``HDITracker.agree`` takes another, e.g. a counting one in tests)."""
 
 
 def _layer_text(layer: AttentionLayer) -> str:
@@ -197,3 +200,17 @@ def check_ranks_agree(
         differing = [name for i, name in enumerate(SETTINGS) if len({int(h[i]) for h in hashes}) > 1]
         message = f"hdi-monitor: the ranks do not watch the same thing: {', '.join(differing)} differ"
     raise ValueError(message)
+
+
+def all_agree(flag: bool) -> bool:
+    """Logical AND of ``flag`` over all ranks: one ``all_reduce`` (MIN) of one int32, a collective
+    that every rank must reach; ``flag`` itself (no collective) outside ``torch.distributed`` or with
+    one rank. ``HDITracker.finish`` calls it twice per measured step (all ranks hold the measurement;
+    all ranks computed it) and never on other steps."""
+    dist = _dist()
+    if dist is None:
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())

@@ -204,6 +204,9 @@ class HDITracker:
         if fsdp_root is None and is_fsdp1_module(model):
             fsdp_root = model
         self.fsdp_root: nn.Module | None = fsdp_root
+        self.agree: ranks.Agree = ranks.all_agree
+        """``flag -> AND over the ranks``, the collective `finish` runs on measured steps (default
+        ``hdi_monitor.monitor.ranks.all_agree``); replace it to count or simulate it (tests)."""
 
         self.history = History(config.history_budget)
         self.events: list[DiversityEvent] = []
@@ -404,7 +407,7 @@ class HDITracker:
             return None  # not a measured step: no collective, no host sync
         pending, self._pending = self._pending, None
         self._scheduled = None
-        if not _all_ranks_agree(pending is not None) or pending is None:
+        if not self.agree(pending is not None) or pending is None:
             # some rank failed earlier in this measurement: every rank drops it, so none waits
             # in a collective that the others never reach
             return None
@@ -414,7 +417,7 @@ class HDITracker:
         errors: list[Exception] = []
         with no_autocast():
             self._gather_statistics(pending, errors)
-        if not _all_ranks_agree(not errors):
+        if not self.agree(not errors):
             self._skip(errors[0] if errors else None, "computing the measurement")
             return None
         with self._guard("writing the measurement"):
@@ -742,18 +745,3 @@ class HDITracker:
             self.stop_requested = True
         message = events[0].message if len(events) == 1 else summarize_events(step, events)
         warn(message, DiversityWarning, rank_zero_only=True)
-
-
-def _all_ranks_agree(flag: bool) -> bool:
-    """Logical AND of ``flag`` over all ranks (a collective); ``flag`` itself when not distributed."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
-        return flag
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return bool(value.item())
