@@ -199,6 +199,7 @@ def _one_config(rank: int, use_orig_params: bool) -> dict[str, Any]:
                 "num_tokens": [lay.num_tokens for lay in measurement.report.layers],
             }
         )
+    tracker.flush()  # pictures and histograms are written by the background worker: wait for it
     histograms = {tag: values for step, tag, values in sink.histograms if step == 0}
     return {
         "layer_names": [lay.name for lay in tracker.layers],

@@ -31,6 +31,7 @@ def run(rank: int, out: str) -> None:
     sync_kernel_accumulators(accs)
     res = [acc.compute() for acc in accs]
     torch.save([(r.entropy, r.uniform_entropy, r.max_logit, r.num_queries) for r in res], f"{out}/rank{rank}.pt")
+    dist.barrier()  # no rank tears gloo down while another is still in a collective
     dist.destroy_process_group()
 
 

@@ -60,6 +60,7 @@ def run(rank: int, port: int, out: str) -> None:
             results[name] = str(err)
     with open(f"{out}.{rank}", "w", encoding="utf-8") as f:
         json.dump(results, f)
+    dist.barrier()  # no rank tears gloo down while another is still in a collective
     dist.destroy_process_group()
 
 

@@ -619,6 +619,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     try:
         result = ENGINES[args.engine](Path(args.out), rank)
         (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+        dist.barrier()  # no rank tears gloo down while another is still finishing a collective
     finally:
         dist.destroy_process_group()
 
