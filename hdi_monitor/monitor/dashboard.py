@@ -32,7 +32,7 @@ from typing import Any, TypedDict
 import torch
 from torch import Tensor
 
-from hdi_monitor.monitor.detector import EVENT_KINDS, DiversityEvent
+from hdi_monitor.monitor.detector import DIVERSITY_EVENT_KINDS, KERNEL_EVENT_KINDS, DiversityEvent
 from hdi_monitor.monitor.history import History
 from hdi_monitor.monitor.record import Series
 from hdi_monitor.monitor.render import ImageJob, MapPanel, TilePanel
@@ -227,10 +227,12 @@ class Dashboard:
         *,
         projections: Sequence[str],
         detecting: bool,
+        kernel: bool = False,
     ) -> dict[str, float]:
         """Complete a measurement's scalars in place (and return them): ``<family>/min`` and
         ``/max`` over layers beside each ``/mean``, ``diversity_events/<kind>`` counts (0 on a
-        measured step without events when a detector runs), and ``hdi_max/<projection>`` dropped
+        measured step without events when a detector runs; the kernel kinds only when ``kernel``:
+        the step has kernel statistics), and ``hdi_max/<projection>`` dropped
         where the frame bound does not bind (1: the heads can all be orthogonal).
 
         Invalid heads: ``invalid_heads/<projection>`` counts the dead or non-finite heads over all
@@ -257,7 +259,8 @@ class Dashboard:
                     self.unhealthy.add(tag)
                 elif tag not in self.unhealthy:
                     del scalars[tag]
-        counts = dict.fromkeys(EVENT_KINDS, 0.0) if detecting else {}
+        kinds = DIVERSITY_EVENT_KINDS + (KERNEL_EVENT_KINDS if kernel else ())
+        counts = dict.fromkeys(kinds, 0.0) if detecting else {}
         for event in events:
             counts[event.kind] = counts.get(event.kind, 0.0) + 1.0
         scalars.update({f"diversity_events/{kind}": n for kind, n in counts.items()})

@@ -37,6 +37,7 @@ SETTINGS: tuple[str, ...] = (
     "weighting",
     "activations",
     "max_tokens",
+    "kernel_stats",
 )
 
 Gather = Callable[[Tensor], list[Tensor]]
@@ -56,6 +57,7 @@ def fingerprint(
     weighting: str,
     activations: bool,
     max_tokens: int | None,
+    kernel_stats: bool = False,
 ) -> dict[str, str]:
     """The settings every rank must share, as readable text (one entry per name in `SETTINGS`).
 
@@ -71,6 +73,7 @@ def fingerprint(
         "weighting": str(weighting),
         "activations": str(bool(activations)),
         "max_tokens": str(max_tokens),
+        "kernel_stats": str(bool(kernel_stats)),
     }
 
 
