@@ -264,3 +264,45 @@ def test_feed_report_feeds_layer_means_to_the_kernel_detector():
         events += feed_report(None, None, step, report, projections=(), kernel_detector=det)
     # layer means (NaN heads left out): 1.5, 1.5, 0.2 -> 0.2 < 0.75 fires at step 2, as "mean_layer"
     assert [(e.step, e.layer, e.value, e.best) for e in events] == [(2, "mean_layer", 0.2, 1.5)]
+
+
+def test_two_data_parallel_ranks_sum_to_the_single_process_measurement(tmp_path):
+    """Each of 2 gloo ranks measures half the batch; after the tracker's sum both hold the
+    one-process measurement of the whole batch (entropy and uniform level to 1e-5, the same
+    maximum logit and query counts)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "kernel_tracker_ddp.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(script.parents[2]))
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    spec = importlib.util.spec_from_file_location("kernel_tracker_ddp", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    batch = mod.full_batch()
+    keep = batch["attention_mask"].bool()
+    torch.manual_seed(0)
+    eager = _llama("eager").eval()
+    with torch.no_grad():
+        probs = eager(**batch, output_attentions=True).attentions
+    allowed = batch["attention_mask"].cumsum(1).double()
+    uniform = float(torch.log(allowed[keep]).mean())
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for (ent, uni, top, count), p in zip(got["layers"], probs, strict=True):
+            torch.testing.assert_close(ent, _prob_entropy(p, keep), atol=TOL, rtol=0)
+            torch.testing.assert_close(uni, torch.full((4,), uniform, dtype=torch.float64))
+            assert count.tolist() == [int(keep.sum())] * 4
+            assert torch.isfinite(top).all()
+    one = HDITracker(mod.build(), kernel_stats=True, max_tokens=None, strict=True).measure(batch)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for (_, _, top, _), layer in zip(got["layers"], one.report.layers, strict=True):
+            torch.testing.assert_close(top, layer.max_attention_logit, atol=TOL, rtol=0)
+        assert got["scalars"]["attention_entropy/mean"] == pytest.approx(one.scalars["attention_entropy/mean"])
