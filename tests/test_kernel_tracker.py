@@ -306,3 +306,74 @@ def test_two_data_parallel_ranks_sum_to_the_single_process_measurement(tmp_path)
         for (_, _, top, _), layer in zip(got["layers"], one.report.layers, strict=True):
             torch.testing.assert_close(top, layer.max_attention_logit, atol=TOL, rtol=0)
         assert got["scalars"]["attention_entropy/mean"] == pytest.approx(one.scalars["attention_entropy/mean"])
+
+
+def _compiled_run(monitor: bool, steps: int = 3) -> dict:
+    """torch.compile(Llama, aot_eager), dropout on; the tracker measures steps 0 and 2."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    net = _llama("sdpa", dropout=0.2).train()
+    with torch.random.fork_rng(devices=[]):
+        twin = _llama("eager")
+    twin.load_state_dict(net.state_dict())  # the step-0 reference (eager attention, same weights)
+    model = torch.compile(net, backend="aot_eager")
+    tracker = HDITracker(model, every_n_steps=2, kernel_stats=True, max_tokens=None, strict=True) if monitor else None
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    batch = _batch(seed=5, b=3, t=8)
+    first = None
+    for _ in range(steps):
+        if tracker is not None:
+            with tracker.capture(batch):
+                out = model(**batch, labels=batch["input_ids"])
+            out.loss.backward()
+            m = tracker.step()
+            first = first or m
+        else:
+            out = model(**batch, labels=batch["input_ids"])
+            out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+    graphs = (int(counters["stats"]["unique_graphs"]), sum(counters["graph_break"].values()))
+    torch._dynamo.reset()
+    return {"weights": [p.detach().clone() for p in net.parameters()], "graphs": graphs, "first": first, "twin": twin}
+
+
+def test_compiled_model_kernel_stats_from_the_side_forward():
+    """Under torch.compile the kernel capture runs only in the eager side forward: the same graphs and
+    graph breaks, bit-identical weights (dropout on), and step 0's entropy equals the eager attention of
+    the same weights."""
+    plain = _compiled_run(False)
+    watched = _compiled_run(True)
+    assert watched["graphs"] == plain["graphs"] and plain["graphs"][0] >= 1
+    assert all(torch.equal(a, b) for a, b in zip(watched["weights"], plain["weights"], strict=True))
+    batch = _batch(seed=5, b=3, t=8)
+    keep = batch["attention_mask"].bool()
+    with torch.no_grad():
+        probs = watched["twin"].eval()(**batch, output_attentions=True).attentions
+    m = watched["first"]
+    assert m is not None and m.step == 0
+    for layer, p in zip(m.report.layers, probs, strict=True):
+        assert layer.attention_entropy is not None, layer.name
+        torch.testing.assert_close(layer.attention_entropy, _prob_entropy(p, keep), atol=TOL, rtol=0)
+
+
+def test_partly_compiled_model_names_the_layers_outside_the_compiled_part():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _llama("sdpa").eval()
+    model.model.layers[0].compile(backend="aot_eager")
+    tracker = HDITracker(model, kernel_stats=True, max_tokens=None, strict=True)
+    # use_cache=False: the side forward of a compiled decoder layer would otherwise append to the
+    # KV cache passed in its kwargs (a compiled.py issue, reported; not the kernel capture's)
+    batch = {**_batch(), "use_cache": False}
+    with pytest.warns(MonitoringWarning, match=r"model\.layers\.1\.self_attn: kernel statistics not measured \(part"):
+        with tracker.capture(batch), torch.no_grad():
+            model(**batch)
+        m = tracker.step()
+    torch._dynamo.reset()
+    first, second = m.report.layers
+    assert first.attention_entropy is not None and second.attention_entropy is None
+    assert f"attention_entropy/{first.name}" in m.scalars and f"attention_entropy/{second.name}" not in m.scalars
