@@ -377,3 +377,21 @@ def test_partly_compiled_model_names_the_layers_outside_the_compiled_part():
     first, second = m.report.layers
     assert first.attention_entropy is not None and second.attention_entropy is None
     assert f"attention_entropy/{first.name}" in m.scalars and f"attention_entropy/{second.name}" not in m.scalars
+
+
+def test_layout_charts_every_kernel_tag_only_when_kernel_stats_is_on():
+    import re
+
+    torch.manual_seed(0)
+    tracker = HDITracker(_gpt2("sdpa"), kernel_stats=True, activations=False, strict=True)
+    m = tracker.measure(_batch())
+    names = {"key": [la.name for la in m.report.layers]}
+    kernel_tags = [t for t in m.scalars if t.split("/")[0] in KERNEL_TAGS]
+    assert len(kernel_tags) == 2 * 2 + 3  # two per layer, three summaries
+    on = tracker.dashboard.layout(names, activations=False, kernel=True)
+    off = tracker.dashboard.layout(names, activations=False)
+    (cat,) = [c for c in on["categories"] if c["title"].startswith("Attention kernel")]
+    assert not [c for c in off["categories"] if c["title"].startswith("Attention kernel")]
+    regexes = [r for chart in cat["charts"] for r in chart["multiline"]]
+    for tag in kernel_tags:  # TensorBoard matches with re.match
+        assert any(re.match(r, tag) for r in regexes), tag

@@ -138,7 +138,7 @@ class Dashboard:
         _check_count("max_histogram_layers", self.max_histogram_layers)
 
     # ------------------------------------------------------------------ layout
-    def layout(self, layer_names: Mapping[str, Sequence[str]], *, activations: bool) -> Layout:
+    def layout(self, layer_names: Mapping[str, Sequence[str]], *, activations: bool, kernel: bool = False) -> Layout:
         """The Custom Scalars layout.
 
         It names no layer and no layer count: TensorBoard merges the layouts of the runs in one log
@@ -150,6 +150,8 @@ class Dashboard:
             layer_names: projection -> names of the layers measured for it (the projections are
                 charted; which layers is read from the tags).
             activations: add the head-output charts.
+            kernel: add the kernel-statistics charts (attention entropy with its uniform level,
+                maximum attention logit).
         """
         loss = f"^{re.escape(self.loss_tag)}$" if self.loss_tag is not None else LOSS_PATTERN
         main: list[Chart] = [{"title": "training loss", "multiline": [loss]}]
@@ -193,6 +195,13 @@ class Dashboard:
         if activations:
             per_family = {f"{f.replace('_', ' ')} per layer": f"^{f}/{_LAYER}$" for f in _SUMMARISED}
             categories.append(_collapsed("Head outputs per layer", per_family))
+        if kernel:
+            charts = {
+                "attention entropy: mean over layers, uniform level": r"^attention_entropy(_uniform)?/mean$",
+                "attention entropy per layer": f"^attention_entropy/{_LAYER}$",
+                "maximum attention logit: per layer and max": r"^max_attention_logit/",
+            }
+            categories.append(_collapsed("Attention kernel (entropy, max logit)", charts))
         health = {
             "invalid heads per projection (0 when healthy)": r"^invalid_heads/[a-z]+$",
             "invalid heads per layer (layers that had any)": r"^invalid_heads/[a-z]+/.+$",
