@@ -395,3 +395,39 @@ def test_layout_charts_every_kernel_tag_only_when_kernel_stats_is_on():
     regexes = [r for chart in cat["charts"] for r in chart["multiline"]]
     for tag in kernel_tags:  # TensorBoard matches with re.match
         assert any(re.match(r, tag) for r in regexes), tag
+
+
+def test_lightning_training_bit_identical_with_kernel_stats_on_torch_mha(tmp_path):
+    """HDIMonitor(kernel_stats=True) on nn.TransformerEncoder (torch MHA, dropout on, 40 of 192
+    queries per kernel call): the run is the unmonitored run bit for bit, and every layer has
+    kernel statistics over exactly 40 queries per head."""
+    import lightning.pytorch as pl
+    from test_training_unchanged import DropoutLM, assert_same_run, data, global_state
+
+    from hdi_monitor import HDIMonitor
+
+    def run(monitored: bool) -> dict:
+        pl.seed_everything(0, verbose=False)
+        model = DropoutLM()
+        monitor = HDIMonitor(every_n_steps=2, max_tokens=40, kernel_stats=True, strict=True)
+        trainer = pl.Trainer(
+            max_steps=4, accelerator="cpu", logger=pl.loggers.TensorBoardLogger(str(tmp_path), name=str(monitored)),
+            callbacks=[monitor] if monitored else [], enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, log_every_n_steps=1,
+        )  # fmt: skip
+        trainer.fit(model, data())
+        return {
+            "state": {k: v.clone() for k, v in model.state_dict().items()},
+            "losses": model.losses,
+            "globals": global_state(),
+            "training_flags": [m.training for m in model.modules()],
+            "monitor": monitor,
+        }
+
+    without, with_ = run(False), run(True)
+    last = with_["monitor"].tracker.last_measurement
+    assert last is not None and last.step == 2
+    for layer in last.report.layers:
+        assert layer.kernel_queries.tolist() == [40] * 4
+        assert f"attention_entropy/{layer.name}" in last.scalars
+    assert_same_run(without, with_)
