@@ -430,25 +430,28 @@ class HDITracker:
         """The kernel-statistics capture of this step: one accumulator per watched layer, in layer
         order on every rank (the sync visits them in this order), drawing the query subsample from
         the tracker's generator. Layers it cannot measure are noted with the reason."""
+        off = pending.kernel_off
+        for la in layers:
+            if getattr(la, "tensor_parallel", None) is not None:
+                off[la.name] = "kernel statistics are not taken under tensor parallelism yet"
+            elif any(not u.interceptable and u.contains(la.name) for u in self._units):
+                off[la.name] = "the model was compiled whole by Lightning (no eager call to intercept)"
+            elif self._units and not any(u.contains(la.name) for u in self._units):
+                off[la.name] = (
+                    "part of the model is compiled and this layer lies outside the compiled parts: wrapping the "
+                    "attention functions for its forward would change the compiled graph's guards"
+                )
+        # every layer has an accumulator (the sync is the same on every rank); only the others are watched
         accs = [
             KernelStatsAccumulator(la.num_heads, max_tokens=self.config.max_tokens, generator=self.generator)
             for la in layers
         ]
+        watched = [la for la in layers if la.name not in off]
         capture = KernelStatsCapture(
-            layers, max_tokens=self.config.max_tokens, generator=self.generator, on_error=self._hook_failed
+            watched, max_tokens=self.config.max_tokens, generator=self.generator, on_error=self._hook_failed
         )
-        capture.accumulators.update({la.name: acc for la, acc in zip(layers, accs, strict=True)})
+        capture.accumulators.update({la.name: acc for la, acc in zip(layers, accs, strict=True) if la.name not in off})
         pending.kernel, pending.kernel_accumulators = capture, accs
-        for la in layers:
-            if getattr(la, "tensor_parallel", None) is not None:
-                pending.kernel_off[la.name] = "kernel statistics are not taken under tensor parallelism yet"
-            elif any(not u.interceptable and u.contains(la.name) for u in self._units):
-                pending.kernel_off[la.name] = "the model was compiled whole by Lightning (no eager call to intercept)"
-            elif self._units and not any(u.contains(la.name) for u in self._units):
-                pending.kernel_off[la.name] = (
-                    "part of the model is compiled and this layer lies outside the compiled parts: wrapping the "
-                    "attention functions for its forward would change the compiled graph's guards"
-                )
 
     def _kernel_mask(self, batch: Any) -> torch.Tensor | None:
         """The batch's token mask (the first watched layer's ``mask_key``) as the query mask."""
@@ -648,7 +651,9 @@ class HDITracker:
         unit_of = [next((k for k, u in enumerate(self._units) if u.contains(la.name)), None) for la in layers]
         plain = [i for i, k in enumerate(unit_of) if k is None]
         inside = {k: [i for i, u in enumerate(unit_of) if u == k] for k in dict.fromkeys(unit_of) if k is not None}
-        if kernel is not None and not self._units:  # never around a compiled call (its guards)
+        if (
+            kernel is not None and not self._units and len(pending.kernel_off) < len(layers)
+        ):  # never around a compiled call
             kernel.set_query_mask(self._kernel_mask(batch))
             self._handles.append(_KernelHandle(kernel))
         if plain and self.activations:
