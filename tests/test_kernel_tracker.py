@@ -431,3 +431,15 @@ def test_lightning_training_bit_identical_with_kernel_stats_on_torch_mha(tmp_pat
         assert layer.kernel_queries.tolist() == [40] * 4
         assert f"attention_entropy/{layer.name}" in last.scalars
     assert_same_run(without, with_)
+
+
+def test_weights_only_step_has_no_kernel_values_and_no_note():
+    torch.manual_seed(0)
+    tracker = HDITracker(_gpt2("sdpa"), kernel_stats=True, strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MonitoringWarning)
+        m = tracker.step()  # no capture(): the weights alone
+    assert m is not None and all(la.attention_entropy is None for la in m.report.layers)
+    assert not [t for t in m.scalars if t.split("/")[0] in KERNEL_TAGS]
+    with pytest.raises(TypeError, match="kernel_stats"):
+        HDITracker(_gpt2("sdpa"), kernel_stats="yes")
