@@ -443,3 +443,46 @@ def test_weights_only_step_has_no_kernel_values_and_no_note():
     assert not [t for t in m.scalars if t.split("/")[0] in KERNEL_TAGS]
     with pytest.raises(TypeError, match="kernel_stats"):
         HDITracker(_gpt2("sdpa"), kernel_stats="yes")
+
+
+def test_hf_trainer_bit_identical_with_kernel_stats(tmp_path):
+    """HDITrainerCallback(kernel_stats=True) on BERT (sdpa, dropout on), 2 micro-batches per update:
+    the run is the unmonitored run bit for bit; each kernel call gives 40 queries, so 80 per head."""
+    from test_training_unchanged import TokenDataset, assert_same_run, global_state
+
+    from hdi_monitor.integrations import HDITrainerCallback
+
+    def run(monitored: bool) -> dict:
+        torch.manual_seed(0)
+        config = transformers.BertConfig(
+            vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=16, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+        )  # fmt: skip
+        model = transformers.BertForMaskedLM(config)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(monitored)), max_steps=4, per_device_train_batch_size=4,
+            learning_rate=1e-2, gradient_accumulation_steps=2, report_to=[], use_cpu=True, logging_steps=1,
+            save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
+        )  # fmt: skip
+        monitor = HDITrainerCallback(
+            every_n_steps=2, max_tokens=40, kernel_stats=True, log_dir=str(tmp_path / "tb"), strict=True
+        )
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=TokenDataset(), callbacks=[monitor] if monitored else []
+        )
+        trainer.train()
+        return {
+            "state": {k: v.clone() for k, v in model.state_dict().items()},
+            "losses": [torch.tensor(h["loss"]) for h in trainer.state.log_history if "loss" in h],
+            "globals": global_state(),
+            "training_flags": [m.training for m in model.modules()],
+            "monitor": monitor,
+        }
+
+    without, with_ = run(False), run(True)
+    last = with_["monitor"].tracker.last_measurement
+    assert last is not None and last.step == 4
+    for layer in last.report.layers:
+        assert layer.kernel_queries.tolist() == [80] * 4
+        assert f"max_attention_logit/{layer.name}" in last.scalars
+    assert_same_run(without, with_)
