@@ -50,6 +50,7 @@ Projection = Literal["query", "key", "value", "output"]
 Progress = Callable[[int], Any]
 
 _ACTIVATION_FIELDS = ("effective_heads", "mean_correlation", "variance_ratio", "num_tokens")
+_KERNEL_FIELDS = ("attention_entropy", "attention_entropy_uniform", "max_attention_logit", "kernel_queries")
 
 
 @dataclass
@@ -64,6 +65,14 @@ class LayerDiversity:
     with ``inputs``. ``angles`` (filled only when asked for, see `compute_report`) holds, per
     projection, the principal angles in degrees of every valid head pair ``i < j`` (CPU float32,
     flattened), computed from the same weight read as the overlaps.
+
+    Kernel statistics (DESIGN.md rule 8; filled by the tracker on measured steps when
+    ``MonitorConfig(kernel_stats=True)``, else None): ``attention_entropy`` (per query head, mean
+    attention entropy over the measured queries, nats), ``attention_entropy_uniform`` (per head, the
+    mean of ``ln(n_allowed_keys)``: uniform attention's entropy, the reference level),
+    ``max_attention_logit`` (per head, the largest ``scale * <q, k>``) and ``kernel_queries`` (per
+    head, the number of queries measured); CPU float64 ``(H,)`` tensors (int64 for the counts),
+    NaN for a head without a measured query. A layer whose kernel was not reachable has them None.
 
     More per-layer results are added as optional fields with a default (None or empty), so that
     every reader of a report (tags, dashboards, detector, CLI) keeps working when one is added.
@@ -88,6 +97,31 @@ class LayerDiversity:
     num_tokens: int | None = None
     notes: tuple[str, ...] = ()
     angles: dict[str, Tensor] = field(default_factory=dict)
+    attention_entropy: Tensor | None = None
+    attention_entropy_uniform: Tensor | None = None
+    max_attention_logit: Tensor | None = None
+    kernel_queries: Tensor | None = None
+
+    # ------------------------------------------------------------------ kernel statistics (opt-in)
+    @property
+    def mean_attention_entropy(self) -> float | None:
+        """Mean over heads of ``attention_entropy`` (heads without a measured query left out);
+        None when the kernel statistics were not measured or no head has a value."""
+        return _nanmean(self.attention_entropy)
+
+    @property
+    def mean_attention_entropy_uniform(self) -> float | None:
+        """Mean over heads of ``attention_entropy_uniform`` (the uniform-attention reference)."""
+        return _nanmean(self.attention_entropy_uniform)
+
+    @property
+    def max_attention_logit_max(self) -> float | None:
+        """Largest ``max_attention_logit`` over heads; None when not measured."""
+        t = self.max_attention_logit
+        if t is None:
+            return None
+        finite = t[torch.isfinite(t)]
+        return float(finite.max()) if finite.numel() else None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (NaN becomes None)."""
@@ -114,6 +148,10 @@ class LayerDiversity:
             value = getattr(self, name)
             if value is not None:
                 out[name] = _finite_or_none(value)
+        for name in _KERNEL_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = [_finite_or_none(x) for x in value.double().tolist()]
         return out
 
 
@@ -213,6 +251,13 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 def _finite_or_none(value: float) -> float | None:
     value = float(value)
     return value if math.isfinite(value) else None
+
+
+def _nanmean(t: Tensor | None) -> float | None:
+    if t is None:
+        return None
+    finite = t[torch.isfinite(t)]
+    return float(finite.double().mean()) if finite.numel() else None
 
 
 def _nested(t: Tensor) -> list:

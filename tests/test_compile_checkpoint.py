@@ -450,3 +450,59 @@ def test_compiled_lightning_module_keeps_its_graphs_and_trains_bit_identically(h
     names = [la.name for la in monitor.tracker.layers]
     for row in monitor.history:
         assert all(f"effective_heads/{n}" in row for n in names)
+
+
+def _llama_layers_compiled_run(monitor: bool):
+    """A tiny Llama whose decoder layers are compiled one by one (aot_eager), trained with its
+    default ``use_cache=True``: every compiled layer call receives the model's key/value cache."""
+    transformers = pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attention_dropout=0.1,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    model.train()
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager")
+    tracker = (
+        HDITracker(model, every_n_steps=2, log_images_every_n_steps=0, max_tokens=None, strict=True)
+        if monitor
+        else None
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(4):
+        ids = torch.randint(0, 64, (2, 9), generator=g)
+        with tracker.capture({"input_ids": ids}) if tracker is not None else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if tracker is not None:
+            tracker.step()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    if tracker is not None:
+        tracker.close()
+    counts = _dynamo_counts()
+    torch._dynamo.reset()
+    return losses, [p.detach().clone() for p in model.parameters()], counts, tracker
+
+
+@pytest.mark.slow
+def test_layers_compiled_one_by_one_with_a_kv_cache_train_bit_identically():
+    """The side forward of a compiled decoder layer never appends to the model's key/value cache
+    (the compiled call would then read doubled keys): same losses, weights and graph counts with and
+    without the monitor, and head outputs measured."""
+    plain_losses, plain_weights, plain_counts, _ = _llama_layers_compiled_run(False)
+    losses, weights, counts, tracker = _llama_layers_compiled_run(True)
+    assert counts == plain_counts and plain_counts[0] >= 1
+    assert all(torch.equal(a, b) for a, b in zip(losses, plain_losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights, strict=True))
+    assert tracker.history.steps == [0, 2]
+    assert all(row["effective_heads/mean"] > 0 for row in tracker.history)

@@ -228,6 +228,10 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
         image_queue_size: image steps waiting to be drawn on the background thread at most; an
             image step that finds the queue full has its pictures dropped (noted in a warning),
             so drawing never holds the training step.
+        kernel_stats: also measure each head's attention kernel on measured steps (opt-in): the
+            attention entropy (with its uniform level ``ln(n_keys)``) and the maximum attention
+            logit, from the queries and keys the attention kernel receives (at most ``max_tokens``
+            queries per kernel call); layers whose kernel cannot be reached are named.
         detector: the early-warning detector of the HDI series: a configured
             `SaturationDetector`, ``"default"`` (``SaturationDetector()``) or None (off). Each
             ``trainer.train()`` gets an untouched copy.
@@ -266,6 +270,7 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
         max_histogram_layers: int = DEFAULTS.max_histogram_layers,
         history_budget: int = DEFAULTS.history_budget,
         image_queue_size: int = DEFAULTS.image_queue_size,
+        kernel_stats: bool = DEFAULTS.kernel_stats,
         detector: DetectorArg = "default",
         activation_detector: DetectorArg = "default",
         measure_at_start: bool = True,
@@ -294,6 +299,7 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
             max_histogram_layers=max_histogram_layers,
             history_budget=history_budget,
             image_queue_size=image_queue_size,
+            kernel_stats=kernel_stats,
         )
         self.detector = check_detector("detector", detector)
         self.activation_detector = check_detector("activation_detector", activation_detector)

@@ -120,6 +120,10 @@ class HDIMonitor(Callback):
         image_queue_size: image steps waiting to be drawn on the background thread at most; an
             image step that finds the queue full has its pictures dropped (noted in a warning),
             so drawing never holds the training step.
+        kernel_stats: also measure each head's attention kernel on measured steps (opt-in): the
+            attention entropy (with its uniform level ``ln(n_keys)``) and the maximum attention
+            logit, from the queries and keys the attention kernel receives (at most ``max_tokens``
+            queries per kernel call); layers whose kernel cannot be reached are named.
         detector: the early-warning detector of the HDI series (saturation, collapse, redundant
             pairs): a configured `SaturationDetector`, ``"default"`` (``SaturationDetector()``:
             ``patience=10``, ``min_delta=0.002``, ``warmup_steps=1000``, ``collapse_delta=0.05``,
@@ -163,6 +167,7 @@ class HDIMonitor(Callback):
         max_histogram_layers: int = DEFAULTS.max_histogram_layers,
         history_budget: int = DEFAULTS.history_budget,
         image_queue_size: int = DEFAULTS.image_queue_size,
+        kernel_stats: bool = DEFAULTS.kernel_stats,
         detector: DetectorArg = "default",
         activation_detector: DetectorArg = "default",
         state_key: str | None = None,
@@ -192,6 +197,7 @@ class HDIMonitor(Callback):
             max_histogram_layers=max_histogram_layers,
             history_budget=history_budget,
             image_queue_size=image_queue_size,
+            kernel_stats=kernel_stats,
         )
         self.detector = check_detector("detector", detector)
         self.activation_detector = check_detector("activation_detector", activation_detector)

@@ -92,14 +92,14 @@ def summarize_events(step: int, events: Sequence[DiversityEvent]) -> str:
     """One line for the events of one measured step, e.g. ``"hdi-monitor step 650: collapse in 3
     layers, 2 redundant head pairs; ..."``; the full messages are in the Text tab and ``events``."""
     parts = []
-    for kind in ("saturation", "collapse"):
+    for kind in ("saturation", "collapse", "entropy_collapse", "logit_blowup"):
         layers = {e.layer for e in events if e.kind == kind}
         if layers:
             named = layers - {"mean"}
             where = f"{len(named)} layer{'s' if len(named) != 1 else ''}" if named else ""
             if "mean" in layers:
                 where = f"{where} and the model mean" if where else "the model mean"
-            parts.append(f"{kind} in {where}")
+            parts.append(f"{kind.replace('_', ' ')} in {where}")
     redundant = [e for e in events if e.kind == "redundancy"]
     if redundant:
         pairs = sum(len(e.pairs) for e in redundant)

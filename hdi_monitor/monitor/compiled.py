@@ -135,9 +135,22 @@ def _cuda_devices(module: nn.Module) -> list[int]:
     return sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
 
 
+def _is_cache(value: Any) -> bool:
+    """A key/value cache that a forward appends to (transformers' ``Cache`` classes, duck-typed)."""
+    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
+
+
 def side_forward(unit: CompiledUnit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Run the unit's original module eagerly on ``args``/``kwargs``: no grad, eval mode, every
-    random generator restored afterwards. The caller attaches and removes the hooks."""
+    random generator restored afterwards. The caller attaches and removes the hooks.
+
+    A key/value cache passed in (a transformers decoder layer compiled on its own receives the
+    model's cache) is left out of the side forward, so the side forward never appends to the cache
+    that the compiled call then reads; in training the layer's slot is empty before its call, so the
+    attention is the same.
+    """
+    args = tuple(None if _is_cache(a) else a for a in args)
+    kwargs = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
     with (
         torch.no_grad(),
         torch.random.fork_rng(devices=_cuda_devices(unit.original)),

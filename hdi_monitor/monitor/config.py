@@ -96,6 +96,10 @@ class MonitorConfig:
         image_queue_size: image steps waiting to be drawn on the background thread at most; an
             image step that finds the queue full has its pictures dropped (noted in a warning),
             so drawing never holds the training step.
+        kernel_stats: also measure each head's attention kernel on measured steps (opt-in): the
+            attention entropy (with its uniform level ``ln(n_keys)``) and the maximum attention
+            logit, from the queries and keys the attention kernel receives (at most ``max_tokens``
+            queries per kernel call); layers whose kernel cannot be reached are named.
 
     What needs the model (an attention layer found, a ``layers`` filter that matches) is checked
     when the tracker is set up, before the first step.
@@ -117,6 +121,7 @@ class MonitorConfig:
     max_histogram_layers: int = DEFAULT_MAX_HISTOGRAM_LAYERS
     history_budget: int = DEFAULT_HISTORY_BUDGET
     image_queue_size: int = 2
+    kernel_stats: bool = False
 
     def __post_init__(self) -> None:
         check_int("every_n_steps", self.every_n_steps)
@@ -145,6 +150,7 @@ class MonitorConfig:
         check_int("max_histogram_layers", self.max_histogram_layers)
         check_int("history_budget", self.history_budget, low=4)
         check_int("image_queue_size", self.image_queue_size)
+        check_bool("kernel_stats", self.kernel_stats)
 
     @property
     def image_every_n_steps(self) -> int:

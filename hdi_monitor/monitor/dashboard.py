@@ -32,7 +32,7 @@ from typing import Any, TypedDict
 import torch
 from torch import Tensor
 
-from hdi_monitor.monitor.detector import EVENT_KINDS, DiversityEvent
+from hdi_monitor.monitor.detector import DIVERSITY_EVENT_KINDS, KERNEL_EVENT_KINDS, DiversityEvent
 from hdi_monitor.monitor.history import History
 from hdi_monitor.monitor.record import Series
 from hdi_monitor.monitor.render import ImageJob, MapPanel, TilePanel
@@ -138,7 +138,7 @@ class Dashboard:
         _check_count("max_histogram_layers", self.max_histogram_layers)
 
     # ------------------------------------------------------------------ layout
-    def layout(self, layer_names: Mapping[str, Sequence[str]], *, activations: bool) -> Layout:
+    def layout(self, layer_names: Mapping[str, Sequence[str]], *, activations: bool, kernel: bool = False) -> Layout:
         """The Custom Scalars layout.
 
         It names no layer and no layer count: TensorBoard merges the layouts of the runs in one log
@@ -150,6 +150,8 @@ class Dashboard:
             layer_names: projection -> names of the layers measured for it (the projections are
                 charted; which layers is read from the tags).
             activations: add the head-output charts.
+            kernel: add the kernel-statistics charts (attention entropy with its uniform level,
+                maximum attention logit).
         """
         loss = f"^{re.escape(self.loss_tag)}$" if self.loss_tag is not None else LOSS_PATTERN
         main: list[Chart] = [{"title": "training loss", "multiline": [loss]}]
@@ -193,6 +195,13 @@ class Dashboard:
         if activations:
             per_family = {f"{f.replace('_', ' ')} per layer": f"^{f}/{_LAYER}$" for f in _SUMMARISED}
             categories.append(_collapsed("Head outputs per layer", per_family))
+        if kernel:
+            charts = {
+                "attention entropy: mean over layers, uniform level": r"^attention_entropy(_uniform)?/mean$",
+                "attention entropy per layer": f"^attention_entropy/{_LAYER}$",
+                "maximum attention logit: per layer and max": r"^max_attention_logit/",
+            }
+            categories.append(_collapsed("Attention kernel (entropy, max logit)", charts))
         health = {
             "invalid heads per projection (0 when healthy)": r"^invalid_heads/[a-z]+$",
             "invalid heads per layer (layers that had any)": r"^invalid_heads/[a-z]+/.+$",
@@ -227,10 +236,12 @@ class Dashboard:
         *,
         projections: Sequence[str],
         detecting: bool,
+        kernel: bool = False,
     ) -> dict[str, float]:
         """Complete a measurement's scalars in place (and return them): ``<family>/min`` and
         ``/max`` over layers beside each ``/mean``, ``diversity_events/<kind>`` counts (0 on a
-        measured step without events when a detector runs), and ``hdi_max/<projection>`` dropped
+        measured step without events when a detector runs; the kernel kinds only when ``kernel``:
+        the step has kernel statistics), and ``hdi_max/<projection>`` dropped
         where the frame bound does not bind (1: the heads can all be orthogonal).
 
         Invalid heads: ``invalid_heads/<projection>`` counts the dead or non-finite heads over all
@@ -257,7 +268,8 @@ class Dashboard:
                     self.unhealthy.add(tag)
                 elif tag not in self.unhealthy:
                     del scalars[tag]
-        counts = dict.fromkeys(EVENT_KINDS, 0.0) if detecting else {}
+        kinds = DIVERSITY_EVENT_KINDS + (KERNEL_EVENT_KINDS if kernel else ())
+        counts = dict.fromkeys(kinds, 0.0) if detecting else {}
         for event in events:
             counts[event.kind] = counts.get(event.kind, 0.0) + 1.0
         scalars.update({f"diversity_events/{kind}": n for kind, n in counts.items()})

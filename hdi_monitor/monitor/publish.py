@@ -176,7 +176,7 @@ class Publisher:
             names: dict[str, list[str]] = {
                 p: [layer_tag(la.name) for la in m.report.layers if la.hdi.get(p) is not None] for p in projections
             }
-            layout = self.dashboard.layout(names, activations=activations)
+            layout = self.dashboard.layout(names, activations=activations, kernel=self.config.kernel_stats)
             levels = self.dashboard.levels_text(m.report, projections)
             self.dashboard.layout_written = True
         first_error: Exception | None = None

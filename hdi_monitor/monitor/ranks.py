@@ -37,6 +37,7 @@ SETTINGS: tuple[str, ...] = (
     "weighting",
     "activations",
     "max_tokens",
+    "kernel_stats",
 )
 
 Gather = Callable[[Tensor], list[Tensor]]
@@ -59,6 +60,7 @@ def fingerprint(
     weighting: str,
     activations: bool,
     max_tokens: int | None,
+    kernel_stats: bool = False,
 ) -> dict[str, str]:
     """The settings every rank must share, as readable text (one entry per name in `SETTINGS`).
 
@@ -74,6 +76,7 @@ def fingerprint(
         "weighting": str(weighting),
         "activations": str(bool(activations)),
         "max_tokens": str(max_tokens),
+        "kernel_stats": str(bool(kernel_stats)),
     }
 
 

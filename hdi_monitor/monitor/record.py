@@ -38,11 +38,12 @@ class Series:
 
     Attributes:
         family: ``"hdi"``, ``"hdi_chance"``, ``"hdi_max"``, ``"invalid_heads"``,
-            ``"effective_heads"``, ``"head_correlation"``; or a whole tag, for scalars that carry
+            ``"effective_heads"``, ``"head_correlation"``, ``"attention_entropy"``,
+            ``"attention_entropy_uniform"``, ``"max_attention_logit"``; or a whole tag, for scalars that carry
             no structure (the dashboard's summaries, say).
         projection: the projection, where the family has one.
         layer: the layer's qualified name (per-layer series), else None.
-        stat: ``"mean"`` (or another summary over layers), else None.
+        stat: ``"mean"`` or ``"max"`` (or another summary over layers), else None.
     """
 
     family: str

@@ -11,7 +11,12 @@ Tag names:
   ``effective_heads/<layer>``, ``head_correlation/<layer>``: per layer;
 * ``hdi/<projection>/mean``, ``effective_heads/mean``, ``head_correlation/mean`` (and the ``min`` /
   ``max`` of `hdi_monitor.monitor.dashboard.Dashboard.summary_scalars`): over layers;
-* ``hdi_chance/<projection>``, ``hdi_max/<projection>``: reference levels (means over layers).
+* ``hdi_chance/<projection>``, ``hdi_max/<projection>``: reference levels (means over layers);
+* kernel statistics (``kernel_stats=True``, layers where they were measured):
+  ``attention_entropy/<layer>`` (mean over heads, nats), ``attention_entropy/mean`` (over layers),
+  ``attention_entropy_uniform/mean`` (the uniform-attention reference ``ln(n_keys)``, mean over
+  layers), ``max_attention_logit/<layer>`` (max over heads) and ``max_attention_logit/max`` (over
+  layers).
 
 A layer whose qualified name is ``mean``, ``min`` or ``max`` (a top-level module so named) would
 collide with the summaries: its tags use ``<name>_layer`` instead (`layer_tag`).
@@ -29,7 +34,10 @@ from hdi_monitor.monitor.detector import DiversityEvent
 from hdi_monitor.monitor.record import RESERVED_LAYER_NAMES, Series, layer_tag
 from hdi_monitor.report import DiversityReport
 
-__all__ = ["Series", "layer_tag", "record_series", "scalar_tags", "RESERVED_LAYER_NAMES"]
+__all__ = ["Series", "kernel_series", "layer_tag", "record_series", "scalar_tags", "RESERVED_LAYER_NAMES"]
+
+
+_KERNEL_FAMILIES = frozenset({"attention_entropy", "attention_entropy_uniform", "max_attention_logit"})
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -39,7 +47,8 @@ def _mean(values: Sequence[float]) -> float:
 def record_series(report: DiversityReport, *, projections: Sequence[str], activations: bool) -> dict[Series, float]:
     """The typed scalar values of one report: per layer and projection HDI and invalid-head
     counts, the mean HDI, chance and frame-bound means, and (``activations``) the effective heads
-    and mean correlation per layer with their means. Non-finite values are left out (absent)."""
+    and mean correlation per layer with their means, and the kernel statistics where measured
+    (`kernel_series`). Non-finite values are left out (absent)."""
     out: dict[Series, float] = {}
     for p in projections:
         chance, cap, hdis = [], [], []
@@ -72,6 +81,31 @@ def record_series(report: DiversityReport, *, projections: Sequence[str], activa
             out[Series("effective_heads", stat="mean")] = _mean(eff)
         if corr:
             out[Series("head_correlation", stat="mean")] = _mean(corr)
+    out.update(kernel_series(report))
+    return out
+
+
+def kernel_series(report: DiversityReport) -> dict[Series, float]:
+    """The kernel-statistics series of one report (empty when they were not measured): per layer
+    the mean attention entropy over heads and the largest logit over heads; over layers the mean
+    entropy, the mean uniform level and the largest logit."""
+    out: dict[Series, float] = {}
+    ent, ref, top = [], [], []
+    for layer in report.layers:
+        if (h := layer.mean_attention_entropy) is not None:
+            out[Series("attention_entropy", layer=layer.name)] = h
+            ent.append(h)
+        if (u := layer.mean_attention_entropy_uniform) is not None:
+            ref.append(u)
+        if (m := layer.max_attention_logit_max) is not None:
+            out[Series("max_attention_logit", layer=layer.name)] = m
+            top.append(m)
+    if ent:
+        out[Series("attention_entropy", stat="mean")] = _mean(ent)
+    if ref:
+        out[Series("attention_entropy_uniform", stat="mean")] = _mean(ref)
+    if top:
+        out[Series("max_attention_logit", stat="max")] = max(top)
     return out
 
 
@@ -96,7 +130,8 @@ def scalar_tags(
         "DiversityReport", SimpleNamespace(layers=[SimpleNamespace(name=layer_tag(la.name)) for la in report.layers])
     )
     before = dict(scalars)
-    dashboard.summary_scalars(scalars, tagged, events, projections=projections, detecting=detecting)
+    kernel = any(key.family in _KERNEL_FAMILIES for key in series)
+    dashboard.summary_scalars(scalars, tagged, events, projections=projections, detecting=detecting, kernel=kernel)
     by_tag: dict[str, Series] = {key.tag: key for key in series}
     out: dict[Series, float] = {}
     for tag, value in scalars.items():

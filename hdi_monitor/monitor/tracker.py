@@ -58,7 +58,7 @@ import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -69,17 +69,20 @@ from hdi_monitor.functional.covariance import (
     HeadCovarianceAccumulator,
     compute_results,
 )
+from hdi_monitor.functional.kernel import KernelStatsAccumulator, compute_kernel_results, sync_kernel_accumulators
 from hdi_monitor.models import AttentionLayer, find_attention_layers
 from hdi_monitor.models.hooks import (
     CallCounts,
     attach_output_hooks,
+    batch_mask,
     call_model,
     eval_mode,
     iter_batches,
     output_accumulator,
 )
+from hdi_monitor.models.kernel_capture import KernelStatsCapture
 from hdi_monitor.models.sharding import is_fsdp1_module
-from hdi_monitor.models.tensor_parallel import sync_data_parallel
+from hdi_monitor.models.tensor_parallel import data_parallel_group, sync_data_parallel
 from hdi_monitor.monitor import gaps, ranks, resume
 from hdi_monitor.monitor._layers import (
     describe_change,
@@ -99,7 +102,7 @@ from hdi_monitor.monitor.config import (
     resolve_detectors,
 )
 from hdi_monitor.monitor.dashboard import Dashboard
-from hdi_monitor.monitor.detector import DiversityEvent, DiversityWarning, feed_report
+from hdi_monitor.monitor.detector import DiversityEvent, DiversityWarning, KernelDetector, feed_report
 from hdi_monitor.monitor.history import History
 from hdi_monitor.monitor.publish import Publisher
 from hdi_monitor.monitor.record import Measurement
@@ -130,6 +133,22 @@ class _Pending:
     forward_expected: bool = True  # False for weight-only measurements (step() without capture())
     angle_work: list[AngleWork] = field(default_factory=list)  # angles left for the worker
     counts: CallCounts = field(default_factory=CallCounts)  # module / head-output hook calls per layer
+    kernel: KernelStatsCapture | None = None  # kernel statistics of this step (kernel_stats on)
+    kernel_accumulators: list[KernelStatsAccumulator] = field(default_factory=list)  # one per layer, in order
+    kernel_off: dict[str, str] = field(default_factory=dict)  # layer -> why the tracker did not capture it
+
+
+class _KernelHandle:
+    """Keeps a `KernelStatsCapture` entered until ``remove()`` (the tracker's handle protocol)."""
+
+    def __init__(self, capture: KernelStatsCapture) -> None:
+        self.capture: KernelStatsCapture | None = capture
+        capture.__enter__()
+
+    def remove(self) -> None:
+        capture, self.capture = self.capture, None
+        if capture is not None:
+            capture.__exit__(None, None, None)
 
 
 class HDITracker:
@@ -156,6 +175,10 @@ class HDITracker:
             `hdi_monitor.monitor.render.ImageJob` -> ``{tag: PNG bytes}``); default
             `hdi_monitor.monitor.render.render_job`. A renderer that raises or is slow never
             fails or holds training.
+        kernel_detector: early warnings from the kernel statistics (``kernel_stats=True``): entropy
+            collapse and logit blow-up (`KernelDetector`, provisional thresholds). ``"default"``:
+            ``KernelDetector(warmup_steps=...)`` with the HDI detector's warmup when ``detector``
+            is not None and ``kernel_stats`` is on, else None; None turns them off.
         **fields: `MonitorConfig` fields, applied over ``config``:
             ``HDITracker(model, every_n_steps=50)`` is ``HDITracker(model, MonitorConfig(every_n_steps=50))``.
 
@@ -175,6 +198,7 @@ class HDITracker:
         activation_detector: DetectorArg = None,
         fsdp_root: nn.Module | None = None,
         renderer: Renderer | None = None,
+        kernel_detector: KernelDetector | Literal["default"] | None = "default",
         **fields: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -201,6 +225,18 @@ class HDITracker:
         if writer is not None:
             self.sinks.append(TensorBoardSink(writer))
         self.detector, self.activation_detector = detectors
+        if isinstance(kernel_detector, str):
+            if kernel_detector != "default":
+                raise ValueError(
+                    f"kernel_detector must be a KernelDetector, 'default' or None, got {kernel_detector!r}"
+                )
+            on = config.kernel_stats and self.detector is not None
+            kernel_detector = KernelDetector(warmup_steps=self.detector.warmup_steps) if on and self.detector else None
+        elif kernel_detector is not None and not isinstance(kernel_detector, KernelDetector):
+            raise TypeError(
+                f"kernel_detector must be a KernelDetector, 'default' or None, got {type(kernel_detector).__name__}"
+            )
+        self.kernel_detector: KernelDetector | None = kernel_detector
         if fsdp_root is None and is_fsdp1_module(model):
             fsdp_root = model
         self.fsdp_root: nn.Module | None = fsdp_root
@@ -221,6 +257,7 @@ class HDITracker:
         self._notes: list[str] = []  # MonitoringWarning lines of the measurement under way (one warning)
         self._invalid_seen: set[tuple[str, str]] = set()  # (layer, projection) already warned about
         self._gap_seen: tuple[set[str], set[str]] = (set(), set())  # layers told: hook never fired / < 2 tokens
+        self._kernel_seen: set[str] = set()  # layers told: kernel statistics not measured
         self._pending: _Pending | None = None
         self._scheduled: int | None = None  # step of the measurement under way (set even if it failed)
         self._handles: list[Any] = []
@@ -295,6 +332,7 @@ class HDITracker:
             weighting=c.weighting,
             activations=c.activations,
             max_tokens=c.max_tokens,
+            kernel_stats=c.kernel_stats,
         )
 
     def _set_layers(self, layers: list[AttentionLayer]) -> None:
@@ -388,6 +426,41 @@ class HDITracker:
                     output_accumulator(la, max_tokens=self.config.max_tokens, generator=self.generator) for la in layers
                 ]
             self._pending = _Pending(step=step, report=report, accumulators=accs, angle_work=work)
+            if self.config.kernel_stats:
+                self._start_kernel(self._pending, layers)
+
+    def _start_kernel(self, pending: _Pending, layers: list[AttentionLayer]) -> None:
+        """The kernel-statistics capture of this step: one accumulator per watched layer, in layer
+        order on every rank (the sync visits them in this order), drawing the query subsample from
+        the tracker's generator. Layers it cannot measure are noted with the reason."""
+        off = pending.kernel_off
+        for la in layers:
+            if getattr(la, "tensor_parallel", None) is not None:
+                off[la.name] = "kernel statistics are not taken under tensor parallelism yet"
+            elif any(not u.interceptable and u.contains(la.name) for u in self._units):
+                off[la.name] = "the model was compiled whole by Lightning (no eager call to intercept)"
+            elif self._units and not any(u.contains(la.name) for u in self._units):
+                off[la.name] = (
+                    "part of the model is compiled and this layer lies outside the compiled parts: wrapping the "
+                    "attention functions for its forward would change the compiled graph's guards"
+                )
+        # every layer has an accumulator (the sync is the same on every rank); only the others are watched
+        accs = [
+            KernelStatsAccumulator(la.num_heads, max_tokens=self.config.max_tokens, generator=self.generator)
+            for la in layers
+        ]
+        watched = [la for la in layers if la.name not in off]
+        capture = KernelStatsCapture(
+            watched, max_tokens=self.config.max_tokens, generator=self.generator, on_error=self._hook_failed
+        )
+        capture.accumulators.update({la.name: acc for la, acc in zip(layers, accs, strict=True) if la.name not in off})
+        pending.kernel, pending.kernel_accumulators = capture, accs
+
+    def _kernel_mask(self, batch: Any) -> torch.Tensor | None:
+        """The batch's token mask (the first watched layer's ``mask_key``) as the query mask."""
+        layers = self.layers
+        mask = batch_mask(batch, layers[0].mask_key) if layers else None
+        return None if mask is None else mask.to(torch.bool)
 
     def stop_capture(self) -> None:
         """Remove every hook (idempotent). Call before backward so recomputed forwards are not counted."""
@@ -455,12 +528,12 @@ class HDITracker:
 
     def measure(self, inputs: Any = None, *, step: int | None = None) -> Measurement | None:
         """Measure now, whatever the schedule; with ``inputs`` (a batch or an iterable of batches)
-        and ``activations`` on, run them through the model to collect head-output statistics
-        (eagerly: a ``torch.compile(model)`` wrapper's original module is called)."""
+        and ``activations`` or ``kernel_stats`` on, run them through the model to collect head-output
+        and kernel statistics (eagerly: a ``torch.compile(model)`` wrapper's original module is called)."""
         step = self._step if step is None else step
         self._scheduled = step
         self._start(step)
-        if self._pending is not None and inputs is not None and self.activations:
+        if self._pending is not None and inputs is not None and (self.activations or self._pending.kernel is not None):
             model = self._eager_model()
             # like head_diversity(inputs=...): eval mode (no dropout), restored afterwards
             with self._guard("running inputs through the model"), torch.no_grad(), eval_mode(model):
@@ -502,6 +575,7 @@ class HDITracker:
             "activation_detector": (
                 self.activation_detector.state_dict() if self.activation_detector is not None else None
             ),
+            "kernel_detector": self.kernel_detector.state_dict() if self.kernel_detector is not None else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -519,6 +593,8 @@ class HDITracker:
             self.detector.load_state_dict(state["detector"])
         if self.activation_detector is not None and state.get("activation_detector") is not None:
             self.activation_detector.load_state_dict(state["activation_detector"])
+        if self.kernel_detector is not None and state.get("kernel_detector") is not None:
+            self.kernel_detector.load_state_dict(state["kernel_detector"])
         if state.get("generator") is not None:
             raw = base64.b64decode(state["generator"])
             self.generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
@@ -570,14 +646,20 @@ class HDITracker:
         compiled part, an eager interception that runs a side forward (see
         `hdi_monitor.monitor.compiled`)."""
         pending = self._pending
-        if pending is None or not self.activations:
+        kernel = pending.kernel if pending is not None else None
+        if pending is None or not (self.activations or kernel is not None):
             return
         layers = self.layers
         # the compiled unit (index into self._units) each layer lies in, or None
         unit_of = [next((k for k, u in enumerate(self._units) if u.contains(la.name)), None) for la in layers]
         plain = [i for i, k in enumerate(unit_of) if k is None]
         inside = {k: [i for i, u in enumerate(unit_of) if u == k] for k in dict.fromkeys(unit_of) if k is not None}
-        if plain:
+        if (
+            kernel is not None and not self._units and len(pending.kernel_off) < len(layers)
+        ):  # never around a compiled call
+            kernel.set_query_mask(self._kernel_mask(batch))
+            self._handles.append(_KernelHandle(kernel))
+        if plain and self.activations:
             self._handles += attach_output_hooks(
                 [layers[i] for i in plain],
                 [pending.accumulators[i] for i in plain],
@@ -598,13 +680,18 @@ class HDITracker:
         if pending is None:
             return
         try:
-            handles = attach_output_hooks(
-                [self.layers[i] for i in members],
-                [pending.accumulators[i] for i in members],
-                kwargs if kwargs else batch,  # a mask passed as a keyword argument is used
-                on_error=self._hook_failed,
-                counts=pending.counts,
-            )
+            handles: list[Any] = []
+            if self.activations:
+                handles = attach_output_hooks(
+                    [self.layers[i] for i in members],
+                    [pending.accumulators[i] for i in members],
+                    kwargs if kwargs else batch,  # a mask passed as a keyword argument is used
+                    on_error=self._hook_failed,
+                    counts=pending.counts,
+                )
+            if pending.kernel is not None:  # the side forward is eager: the kernel capture is safe here
+                pending.kernel.set_query_mask(self._kernel_mask(kwargs if kwargs else batch))
+                handles.append(_KernelHandle(pending.kernel))
             try:
                 side_forward(unit, args, kwargs)
             finally:
@@ -633,8 +720,13 @@ class HDITracker:
         with one device-to-host transfer for all of them (no weight is read: the accumulators took
         ``W_O`` at capture time)."""
         self.last_token_counts = []
-        if not self.activations:
-            return
+        if self.activations:
+            self._gather_outputs(pending, errors)
+        if pending.kernel is not None:
+            self._gather_kernel(pending, errors)
+
+    def _gather_outputs(self, pending: _Pending, errors: list[Exception]) -> None:
+        """Head-output statistics (see `_gather_statistics`)."""
         pairs = [
             (acc, entry)
             for acc, entry in zip(pending.accumulators, pending.report.layers, strict=True)
@@ -663,6 +755,38 @@ class HDITracker:
             counts = {e.name: n for (_, e), n in zip(pairs, self.last_token_counts, strict=True)}
             self._notes += gaps.few_token_notes(counts, pending.counts.output_calls, self._gap_seen[1])
 
+    def _gather_kernel(self, pending: _Pending, errors: list[Exception]) -> None:
+        """Kernel statistics: the per-layer accumulators summed over the data-parallel ranks (the
+        same group and the same layer order as the head-output sums, right after them), then one
+        host transfer for every layer; layers not measured get None fields and a note (once per
+        layer and run)."""
+        accs = pending.kernel_accumulators
+        reduce, group = data_parallel_group(self.layers)
+        if reduce:
+            sync_kernel_accumulators(accs, group)  # collective: every rank, every layer, in order
+        capture = pending.kernel
+        assert capture is not None
+        if not pending.forward_expected:
+            return  # a weights-only measurement: no forward pass ran
+        try:
+            results = compute_kernel_results(accs)
+        except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
+            errors.append(err)
+            return
+        off = dict(capture.unreachable)
+        off.update(pending.kernel_off)
+        for entry, result in zip(pending.report.layers, results, strict=True):
+            if entry.name in off:
+                continue  # never partial: a layer with a refused call reports nothing
+            entry.attention_entropy = result.entropy
+            entry.attention_entropy_uniform = result.uniform_entropy
+            entry.max_attention_logit = result.max_logit
+            entry.kernel_queries = result.num_queries
+        for name, why in off.items():
+            if name not in self._kernel_seen:
+                self._kernel_seen.add(name)
+                self._notes.append(f"{name}: kernel statistics not measured ({why}); said once per layer")
+
     def _skip(self, err: Exception | None, what: str) -> None:
         """Drop a measurement that failed on this rank (``err``: warn, or raise when strict) or on
         another rank (None: that rank warns; this one drops it quietly, as when ``begin`` failed)."""
@@ -689,6 +813,7 @@ class HDITracker:
             step,
             report,
             projections=config.projections,
+            kernel_detector=self.kernel_detector if config.kernel_stats else None,
         )
         detecting = self.detector is not None or (self.activation_detector is not None and self.activations)
         series, scalars = scalar_tags(
