@@ -45,6 +45,12 @@ _SLOW_TESTS = {
     "test_integrations.py::test_example_plain_loop_runs": "runs the example script",
     "test_integrations.py::test_hf_default_tensorboard_report_is_one_run_with_the_loss": "two Trainer runs",
     "test_callback.py::test_runs_of_different_depth_share_every_custom_scalars_chart": "two Trainer runs",
+    "test_kernel_tracker.py::test_two_data_parallel_ranks_sum_to_the_single_process_measurement": "2 gloo processes",
+    "test_kernel_stats.py::test_sync_over_two_gloo_ranks": "2 gloo processes",
+    "test_kernel_tracker.py::test_compiled_model_kernel_stats_from_the_side_forward": "a torch.compile trace",
+    "test_kernel_tracker.py::test_hf_trainer_bit_identical_with_kernel_stats": "bit-for-bit Trainer runs",
+    "test_kernel_tracker.py::test_lightning_training_bit_identical_with_kernel_stats_on_torch_mha": "bit-for-bit runs",
+    "test_early_warning.py::test_resumed_run_warns_exactly_like_an_uninterrupted_one": "two Trainer runs",
     # doc pages whose run repeats a quick test (README quick start; test_callback's EarlyStopping)
     "test_docs.py::test_page_blocks_run[docs/index.md]": "the README quick start again",
     "test_docs.py::test_page_blocks_run[docs/early-warnings.md]": "test_callback's EarlyStopping run again",
