@@ -410,24 +410,26 @@ def build_layer(
     tp_split = tensor_parallel_of(module, name)
     tp = tp_split.size if tp_split is not None else 1
     notes: list[str] = []
+    # (H, H_kv, d) from the rows each branch below knows, with this entry's and this module's counts
+    resolve = partial(
+        resolve_heads,
+        name,
+        module,
+        inner=inner,
+        heads_at=layout.heads_at,
+        root_config=root_config,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        tp=tp,
+        notes=notes,
+    )
     weights: dict[str, WeightSource]
     dims: dict[str, int] | None = None
     if layout.qkv is None and layout.gated_query:
         paths = (layout.query, layout.key, layout.value)
         q, k = _get(module, paths[0]), _get(module, paths[1])
-        heads, kv, d = resolve_heads(
-            name,
-            module,
-            inner=inner,
-            kv_rows=out_features(k),
-            heads_at=layout.heads_at,
-            root_config=root_config,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            tp=tp,
-            notes=notes,
-        )
+        heads, kv, d = resolve(kv_rows=out_features(k))
         if out_features(q) != 2 * heads * d:
             raise AdapterMismatch(
                 f"{name}: {type(module).__name__}: query rows {out_features(q)} are not (H={heads}, 2, d={d})"
@@ -451,37 +453,13 @@ def build_layer(
                 name, module, layout, q, k, v, inner, root_config, num_heads, num_kv_heads
             )
         else:
-            heads, kv, d = resolve_heads(
-                name,
-                module,
-                inner=inner,
-                kv_rows=out_features(k),
-                heads_at=layout.heads_at,
-                root_config=root_config,
-                num_heads=num_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                tp=tp,
-                notes=notes,
-            )
+            heads, kv, d = resolve(kv_rows=out_features(k))
         weights = {p: _source(module, path) for p, path in zip(("query", "key", "value"), paths, strict=True)}
     elif layout.cross_query is not None:
         fused_rows = out_features(_get(module, layout.qkv))
         if out_features(_get(module, layout.cross_query)) != inner or fused_rows % 2:
             raise AdapterMismatch(f"{name}: {type(module).__name__}: cross-attention widths do not fit")
-        heads, kv, d = resolve_heads(
-            name,
-            module,
-            inner=inner,
-            kv_rows=fused_rows // 2,
-            heads_at=layout.heads_at,
-            root_config=root_config,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            tp=tp,
-            notes=notes,
-        )
+        heads, kv, d = resolve(kv_rows=fused_rows // 2)
         if tp > 1:
             refusal = fused_tp_refusal(
                 f"{name} ({type(module).__name__})", base_layer(_get(module, layout.qkv)).weight, "kv", heads, kv, tp
@@ -499,20 +477,7 @@ def build_layer(
         packing = layout.packing
         assert packing is not None
         fused = _get(module, layout.qkv)
-        heads, kv, d = resolve_heads(
-            name,
-            module,
-            inner=inner,
-            fused_rows=out_features(fused),
-            packing=packing,
-            heads_at=layout.heads_at,
-            root_config=root_config,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            tp=tp,
-            notes=notes,
-        )
+        heads, kv, d = resolve(fused_rows=out_features(fused), packing=packing)
         refusal = fused_tp_refusal(
             f"{name} ({type(module).__name__})", base_layer(fused).weight, packing, heads, kv, tp
         )
