@@ -50,7 +50,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor, nn
 
 from hdi_monitor._validation import check_instance, check_int
@@ -62,7 +61,7 @@ from hdi_monitor.functional.kernel import (
     default_kv_head_map,
 )
 from hdi_monitor.models.base import AttentionLayer, ErrorHandler
-from hdi_monitor.models.torch_mha import _MHA_ARGS, _hold_fastpath_off, _qkv_biases, _qkv_weights, _release_fastpath
+from hdi_monitor.models.torch_mha import _MHA_ARGS, _hold_fastpath_off, _release_fastpath, mha_heads
 
 __all__ = ["KernelCall", "KernelCapture", "KernelStatsCapture", "mha_query_key"]
 
@@ -100,12 +99,6 @@ class KernelCall:
     kv_head_map: Tensor | None = None
 
 
-def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    if mask.dtype == torch.bool:  # MHA's convention: True = not allowed
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, -math.inf)
-    return mask.to(dtype)
-
-
 def mha_query_key(
     mha: nn.MultiheadAttention,
     query: Tensor,
@@ -113,45 +106,14 @@ def mha_query_key(
     key_padding_mask: Tensor | None = None,
     attn_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The per-head ``q``, ``k`` and mask that ``nn.MultiheadAttention`` gives its kernel.
-
-    Takes the module's forward arguments (``batch_first`` or not, batched or not) and follows
-    ``F.multi_head_attention_forward``: ``in_proj`` (packed or separate), ``bias_k``, ``add_zero_attn``,
-    bool (True = not allowed) or float ``attn_mask`` (2-D or ``(B H, L, S)``) and ``key_padding_mask``.
+    """The per-head ``q``, ``k`` and mask that ``nn.MultiheadAttention`` gives its kernel (see
+    `hdi_monitor.models.torch_mha.mha_heads`, which also makes the head outputs).
 
     Returns:
         ``q`` ``(B, H, L, d)``, ``k`` ``(B, H, S, d)`` in float32 at least, and an additive float mask
         broadcastable to ``(B, H, L, S)`` (``-inf`` = not allowed) or None.
     """
-    heads, e = mha.num_heads, mha.embed_dim
-    if query.dim() == 2:
-        query, key = query.unsqueeze(0), key.unsqueeze(0)
-        if key_padding_mask is not None:
-            key_padding_mask = key_padding_mask.unsqueeze(0)
-    elif not mha.batch_first:
-        query, key = query.transpose(0, 1), key.transpose(0, 1)
-    dtype = query.dtype if query.dtype in (torch.float32, torch.float64) else torch.float32
-    wq, wk, _ = (w.to(dtype) for w in _qkv_weights(mha))
-    bq, bk, _ = (None if b is None else b.to(dtype) for b in _qkv_biases(mha))
-    q = F.linear(query.to(dtype), wq, bq)
-    k = F.linear(key.to(dtype), wk, bk)
-    b = q.shape[0]
-    if mha.bias_k is not None:
-        k = torch.cat([k, mha.bias_k.detach().to(dtype).expand(b, 1, e)], dim=1)
-        attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
-        key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
-    q, k = (rearrange(t, "b s (h d) -> b h s d", h=heads) for t in (q, k))
-    if mha.add_zero_attn:
-        k = torch.cat([k, k.new_zeros((b, heads, 1, k.shape[-1]))], dim=2)
-        attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
-        key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
-    mask: Tensor | None = None
-    if attn_mask is not None:
-        mask = _additive(attn_mask, dtype)
-        mask = rearrange(mask, "(b h) l s -> b h l s", h=heads) if mask.dim() == 3 else mask[None, None]
-    if key_padding_mask is not None:
-        pad = _additive(key_padding_mask, dtype)[:, None, None, :]
-        mask = pad if mask is None else mask + pad
+    q, k, _, mask = mha_heads(mha, query, key, None, key_padding_mask, attn_mask)
     return q, k, mask
 
 

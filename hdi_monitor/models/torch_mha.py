@@ -36,7 +36,7 @@ from hdi_monitor.models.base import (
 )
 from hdi_monitor.models.tensor_parallel import tensor_parallel_of
 
-__all__ = ["ADAPTER", "MHALayer", "mha_head_outputs"]
+__all__ = ["ADAPTER", "MHALayer", "mha_head_outputs", "mha_heads"]
 
 _MHA_ARGS = (
     "query",
@@ -103,6 +103,66 @@ def _keep_from_padding(key_padding_mask: Tensor) -> Tensor:
     return ~torch.isneginf(key_padding_mask)
 
 
+def mha_heads(
+    mha: nn.MultiheadAttention,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """The per-head ``q``, ``k`` (and ``v``) and the mask that ``nn.MultiheadAttention`` gives its kernel.
+
+    Takes the module's forward arguments (``batch_first`` or not, batched or not) and follows
+    ``F.multi_head_attention_forward``: ``in_proj`` (packed or separate), ``bias_k``/``bias_v``,
+    ``add_zero_attn``, bool (True = not allowed) or float ``attn_mask`` (2-D or ``(B H, L, S)``) and
+    ``key_padding_mask``.
+
+    Returns:
+        ``q`` ``(B, H, L, d)``, ``k`` ``(B, H, S, d)``, ``v`` ``(B, H, S, d)`` (None without ``value``),
+        in float32 at least, and an additive float mask broadcastable to ``(B, H, L, S)`` (``-inf`` =
+        not allowed) or None.
+    """
+    heads, e = mha.num_heads, mha.embed_dim
+    if query.dim() == 2:
+        query, key = query.unsqueeze(0), key.unsqueeze(0)
+        value = None if value is None else value.unsqueeze(0)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+    elif not mha.batch_first:
+        query, key = query.transpose(0, 1), key.transpose(0, 1)
+        value = None if value is None else value.transpose(0, 1)
+    # now (B, L, E), (B, S, kdim), (B, S, vdim)
+    dtype = query.dtype if query.dtype in (torch.float32, torch.float64) else torch.float32
+    wq, wk, wv = (w.to(dtype) for w in _qkv_weights(mha))
+    bq, bk, bv = (None if b is None else b.to(dtype) for b in _qkv_biases(mha))
+    q = F.linear(query.to(dtype), wq, bq)
+    k = F.linear(key.to(dtype), wk, bk)
+    v = None if value is None else F.linear(value.to(dtype), wv, bv)
+    b = q.shape[0]
+    if mha.bias_k is not None and mha.bias_v is not None:
+        k = torch.cat([k, mha.bias_k.detach().to(dtype).expand(b, 1, e)], dim=1)
+        v = None if v is None else torch.cat([v, mha.bias_v.detach().to(dtype).expand(b, 1, e)], dim=1)
+        attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+        key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
+    q, k = (rearrange(t, "b s (h d) -> b h s d", h=heads) for t in (q, k))
+    v = None if v is None else rearrange(v, "b s (h d) -> b h s d", h=heads)
+    if mha.add_zero_attn:
+        zeros = k.new_zeros((b, heads, 1, k.shape[-1]))
+        k = torch.cat([k, zeros], dim=2)
+        v = None if v is None else torch.cat([v, zeros], dim=2)
+        attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+        key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
+    mask: Tensor | None = None
+    if attn_mask is not None:
+        mask = _additive(attn_mask, dtype)
+        mask = rearrange(mask, "(b h) l s -> b h l s", h=heads) if mask.dim() == 3 else mask[None, None]
+    if key_padding_mask is not None:
+        pad = _additive(key_padding_mask, dtype)[:, None, None, :]
+        mask = pad if mask is None else mask + pad
+    return q, k, v, mask
+
+
 def mha_head_outputs(
     mha: nn.MultiheadAttention,
     query: Tensor,
@@ -116,48 +176,15 @@ def mha_head_outputs(
 
     Takes the module's forward arguments (same layouts: ``batch_first`` or not, batched or not) and
     returns ``o`` laid out like the module's ``attn_output`` but before ``out_proj``:
-    ``o[..., h*d:(h+1)*d]`` is head ``h``. Follows ``F.multi_head_attention_forward`` (``bias_k``/
-    ``bias_v``, ``add_zero_attn``, bool or float masks, 2-D or 3-D ``attn_mask``) without dropout.
-    ``is_causal`` is only a hint: ``nn.MultiheadAttention`` requires the causal ``attn_mask`` with it,
-    and that mask is what is applied. Computed in float32 at least.
+    ``o[..., h*d:(h+1)*d]`` is head ``h``. Follows ``F.multi_head_attention_forward`` (see
+    `mha_heads`) without dropout. ``is_causal`` is only a hint: ``nn.MultiheadAttention`` requires the
+    causal ``attn_mask`` with it, and that mask is what is applied. Computed in float32 at least.
     """
-    heads, e = mha.num_heads, mha.embed_dim
-    batched = query.dim() == 3
-    if not batched:
-        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-        if key_padding_mask is not None:
-            key_padding_mask = key_padding_mask.unsqueeze(0)
-    elif not mha.batch_first:
-        query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
-    # now (B, L, E), (B, S, kdim), (B, S, vdim)
-    dtype = query.dtype if query.dtype in (torch.float32, torch.float64) else torch.float32
-    wq, wk, wv = (w.to(dtype) for w in _qkv_weights(mha))
-    bq, bk, bv = (None if b is None else b.to(dtype) for b in _qkv_biases(mha))
-    q = F.linear(query.to(dtype), wq, bq)
-    k = F.linear(key.to(dtype), wk, bk)
-    v = F.linear(value.to(dtype), wv, bv)
-    b = q.shape[0]
-    if mha.bias_k is not None and mha.bias_v is not None:
-        k = torch.cat([k, mha.bias_k.detach().to(dtype).expand(b, 1, e)], dim=1)
-        v = torch.cat([v, mha.bias_v.detach().to(dtype).expand(b, 1, e)], dim=1)
-        attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
-        key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
-    q, k, v = (rearrange(t, "b s (h d) -> b h s d", h=heads) for t in (q, k, v))
-    if mha.add_zero_attn:
-        zeros = k.new_zeros((b, heads, 1, k.shape[-1]))
-        k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)
-        attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
-        key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
-    mask: Tensor | None = None
-    if attn_mask is not None:
-        mask = _additive(attn_mask, dtype)
-        mask = rearrange(mask, "(b h) l s -> b h l s", h=heads) if mask.dim() == 3 else mask[None, None]
-    if key_padding_mask is not None:
-        pad = _additive(key_padding_mask, dtype)[:, None, None, :]
-        mask = pad if mask is None else mask + pad
+    q, k, v, mask = mha_heads(mha, query, key, value, key_padding_mask, attn_mask)
+    assert v is not None  # value was given
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     o = rearrange(o, "b h l d -> b l (h d)")
-    if not batched:
+    if query.dim() == 2:
         return o[0]
     return o if mha.batch_first else o.transpose(0, 1)
 
