@@ -2,8 +2,9 @@
 
 Small causal byte-level language models are trained on real English text (the docstrings of the
 Python standard library, which ship with Python, or ``--corpus FILE``) on the CPU, in six
-configurations, several seeds each, with the monitor's `HDITracker` measuring every few steps and
-its default detectors turned on. Beside every measurement the held-out loss is computed on fixed
+configurations, several seeds each, with the monitor's `HDITracker` measuring every few steps, its
+default detectors turned on and the kernel statistics (``kernel_stats=True``: entropy collapse and
+logit blow-up events) measured. Beside every measurement the held-out loss is computed on fixed
 held-out batches (documents never seen in training). The script then asks of every event kind:
 
 * how often it fired;
@@ -296,6 +297,7 @@ def train_run(cfg: Config, seed: int, streams: tuple[Tensor, Tensor], *, steps: 
         max_tokens=512,
         detector=detector,
         activation_detector="default",
+        kernel_stats=True,
         on_saturation=lambda event: None,  # the study collects events; no warnings
         seed=seed,
     )
