@@ -105,6 +105,10 @@ def _worker(rank: int, out: str, port: int) -> None:
         "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage,
     }
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()  # no rank tears gloo down while another is still finishing a collective
 
 
 def main(argv: list[str] | None = None) -> int:

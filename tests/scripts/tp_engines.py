@@ -327,6 +327,28 @@ def _full(t: Tensor) -> Tensor:
     return t.full_tensor() if callable(getattr(t, "full_tensor", None)) else t
 
 
+def train_step(forward: Any, tokens: Tensor, tracker: Any, engine: Any, optimizer: Any) -> tuple[Tensor, Any]:
+    """One training step (forward under ``tracker.capture`` when there is a tracker, backward, the
+    tracker's ``step()`` before the optimizer's); returns the loss and the measurement (or None)."""
+    if tracker is not None:
+        with tracker.capture(tokens):
+            logits = forward(tokens)
+    else:
+        logits = forward(tokens)
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    if engine is not None:
+        engine.backward(loss)
+    else:
+        loss.backward()
+    m = tracker.step() if tracker is not None else None
+    if engine is not None:
+        engine.step()
+    else:
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss, m
+
+
 def track(
     model: nn.Module,
     dp_rank: int,
@@ -360,18 +382,8 @@ def track(
     losses, steps = [], []
     for tokens in global_batches():
         local = tokens[dp_rank::dp]
+        loss, m = train_step(forward, local, tracker, engine, optimizer)
         if tracker is not None:
-            with tracker.capture(local):
-                logits = forward(local)
-        else:
-            logits = forward(local)
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), local[:, 1:].reshape(-1))
-        if engine is not None:
-            engine.backward(loss)
-        else:
-            loss.backward()
-        if tracker is not None:
-            m = tracker.step()
             assert m is not None
             steps.append(
                 {
@@ -384,12 +396,6 @@ def track(
                     for lay in m.report.layers
                 }
             )
-        if engine is not None:
-            engine.step()
-        else:
-            assert optimizer is not None
-            optimizer.step()
-            optimizer.zero_grad()
         losses.append(float(loss.detach()))
     if engine is not None:
         import deepspeed
@@ -507,24 +513,7 @@ def _time_steps(model: nn.Module, dp_rank: int, dp: int, *, monitor: bool, engin
         tokens = torch.randint(0, TIME_KW["vocab"], (TIME_BATCH, TIME_SEQ), generator=g)[dp_rank::dp]
         dist.barrier()
         start = time.perf_counter()
-        if tracker is not None:
-            with tracker.capture(tokens):
-                logits = forward(tokens)
-        else:
-            logits = forward(tokens)
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-        if engine is not None:
-            engine.backward(loss)
-        else:
-            loss.backward()
-        if tracker is not None:
-            tracker.step()
-        if engine is not None:
-            engine.step()
-        else:
-            assert optimizer is not None
-            optimizer.step()
-            optimizer.zero_grad()
+        train_step(forward, tokens, tracker, engine, optimizer)
         dist.barrier()
         times.append(time.perf_counter() - start)
     return times
