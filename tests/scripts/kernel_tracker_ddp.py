@@ -49,6 +49,7 @@ def run(rank: int, out: str) -> None:
         for la in m.report.layers
     ]
     torch.save({"layers": rows, "scalars": dict(m.scalars)}, f"{out}/rank{rank}.pt")
+    dist.barrier()  # no rank tears gloo down while another is still in a collective
     dist.destroy_process_group()
 
 
