@@ -120,10 +120,11 @@ def test_one_warning_class_whatever_the_import_path():
     """A filter on `hdi_monitor.DiversityWarning` must catch what the tracker raises: one class object."""
     import hdi_monitor
     import hdi_monitor.exceptions
-    import hdi_monitor.monitor.tracker
+    import hdi_monitor.monitor._warnings
+    import hdi_monitor.monitor.detector
 
     assert DiversityWarning is hdi_monitor.DiversityWarning is hdi_monitor.exceptions.DiversityWarning
-    assert hdi_monitor.monitor.tracker.DiversityWarning is DiversityWarning
+    assert hdi_monitor.monitor.detector.DiversityWarning is hdi_monitor.monitor._warnings.DiversityWarning is DiversityWarning
 
 
 # ---------------------------------------------------------------------------- saturation

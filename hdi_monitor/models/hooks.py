@@ -43,6 +43,13 @@ def batch_mask(batch: Any, key: str | None) -> Tensor | None:
     return mask if isinstance(mask, Tensor) else None
 
 
+def query_mask(batch: Any, layers: Sequence[AttentionLayer]) -> Tensor | None:
+    """The batch's token mask (the first layer's ``mask_key``) as a bool query mask for the kernel
+    statistics (True = real token), or None."""
+    mask = batch_mask(batch, layers[0].mask_key) if layers else None
+    return None if mask is None else mask.to(torch.bool)
+
+
 #: Layers already warned about a mask that does not fit their tokens (once per layer object).
 _MASK_WARNED: weakref.WeakSet[AttentionLayer] = weakref.WeakSet()
 

@@ -10,7 +10,9 @@ import sysconfig
 import warnings
 from collections.abc import Sequence
 from types import FrameType
+from typing import Any
 
+from hdi_monitor.exceptions import DiversityWarning
 from hdi_monitor.monitor.detector import DiversityEvent
 
 __all__ = ["summarize_events", "warn"]
@@ -111,3 +113,19 @@ def summarize_events(step: int, events: Sequence[DiversityEvent]) -> str:
         f"hdi-monitor step {step}: {', '.join(parts)}; see the Text tab (diversity_events/*) or monitor.events "
         "for the full messages"
     )
+
+
+def dispatch_events(step: int, events: Sequence[DiversityEvent], on_saturation: Any) -> bool:
+    """Hand one measured step's events on: a callable ``on_saturation`` gets each one; otherwise at
+    most one `DiversityWarning` (the one message, or a summary). Returns True when the run should
+    stop (``on_saturation="stop"`` and a saturation or collapse event)."""
+    if not events:
+        return False
+    if callable(on_saturation):
+        for event in events:
+            on_saturation(event)
+        return False
+    stop = on_saturation == "stop" and any(e.kind in ("saturation", "collapse") for e in events)
+    message = events[0].message if len(events) == 1 else summarize_events(step, events)
+    warn(message, DiversityWarning, rank_zero_only=True)
+    return stop

@@ -74,11 +74,11 @@ from hdi_monitor.models import AttentionLayer, find_attention_layers
 from hdi_monitor.models.hooks import (
     CallCounts,
     attach_output_hooks,
-    batch_mask,
     call_model,
     eval_mode,
     iter_batches,
     output_accumulator,
+    query_mask,
 )
 from hdi_monitor.models.kernel_capture import KernelStatsCapture
 from hdi_monitor.models.sharding import is_fsdp1_module
@@ -92,7 +92,7 @@ from hdi_monitor.monitor._layers import (
     signature,
     submodule,
 )
-from hdi_monitor.monitor._warnings import summarize_events, warn
+from hdi_monitor.monitor._warnings import dispatch_events, warn
 from hdi_monitor.monitor.compiled import CompiledUnit, compiled_units, intercept, side_forward
 from hdi_monitor.monitor.config import (
     ACTIVATION_COLLAPSE_DELTA,
@@ -102,7 +102,7 @@ from hdi_monitor.monitor.config import (
     resolve_detectors,
 )
 from hdi_monitor.monitor.dashboard import Dashboard
-from hdi_monitor.monitor.detector import DiversityEvent, DiversityWarning, KernelDetector, feed_report
+from hdi_monitor.monitor.detector import DiversityEvent, KernelDetector, feed_report
 from hdi_monitor.monitor.history import History
 from hdi_monitor.monitor.publish import Publisher
 from hdi_monitor.monitor.record import Measurement
@@ -456,12 +456,6 @@ class HDITracker:
         capture.accumulators.update({la.name: acc for la, acc in zip(layers, accs, strict=True) if la.name not in off})
         pending.kernel, pending.kernel_accumulators = capture, accs
 
-    def _kernel_mask(self, batch: Any) -> torch.Tensor | None:
-        """The batch's token mask (the first watched layer's ``mask_key``) as the query mask."""
-        layers = self.layers
-        mask = batch_mask(batch, layers[0].mask_key) if layers else None
-        return None if mask is None else mask.to(torch.bool)
-
     def stop_capture(self) -> None:
         """Remove every hook (idempotent). Call before backward so recomputed forwards are not counted."""
         handles, self._handles = self._handles, []
@@ -657,8 +651,8 @@ class HDITracker:
         if (
             kernel is not None and not self._units and len(pending.kernel_off) < len(layers)
         ):  # never around a compiled call
-            kernel.set_query_mask(self._kernel_mask(batch))
-            self._handles.append(_KernelHandle(kernel))
+            kernel.set_query_mask(query_mask(batch, layers))
+            self._handles += [_KernelHandle(kernel)]
         if plain and self.activations:
             self._handles += attach_output_hooks(
                 [layers[i] for i in plain],
@@ -669,7 +663,7 @@ class HDITracker:
             )
         for k, members in inside.items():
             compiled = self._units[k]
-            self._handles.append(intercept(compiled, partial(self._side_forward, compiled, members, batch)))
+            self._handles += [intercept(compiled, partial(self._side_forward, compiled, members, batch))]
 
     def _side_forward(
         self, unit: CompiledUnit, members: list[int], batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -690,7 +684,7 @@ class HDITracker:
                     counts=pending.counts,
                 )
             if pending.kernel is not None:  # the side forward is eager: the kernel capture is safe here
-                pending.kernel.set_query_mask(self._kernel_mask(kwargs if kwargs else batch))
+                pending.kernel.set_query_mask(query_mask(kwargs if kwargs else batch, self.layers))
                 handles.append(_KernelHandle(pending.kernel))
             try:
                 side_forward(unit, args, kwargs)
@@ -849,24 +843,11 @@ class HDITracker:
                 MonitoringWarning,
                 rank_zero_only=True,
             )
-        self._dispatch(step, events)
+        if dispatch_events(step, events, self.config.on_saturation):
+            self.stop_requested = True
         self.publisher.write(measurement, self.sinks, activations=self.activations)
         return measurement
 
     def _image_step(self, step: int) -> bool:
         every = self.config.image_every_n_steps
         return bool(every) and step % every == 0
-
-    def _dispatch(self, step: int, events: list[DiversityEvent]) -> None:
-        """The events of one measured step: a callable gets each one; otherwise at most one
-        DiversityWarning (the one message, or a summary) and the stop flag."""
-        if not events:
-            return
-        if callable(self.config.on_saturation):
-            for event in events:
-                self.config.on_saturation(event)
-            return
-        if self.config.on_saturation == "stop" and any(e.kind in ("saturation", "collapse") for e in events):
-            self.stop_requested = True
-        message = events[0].message if len(events) == 1 else summarize_events(step, events)
-        warn(message, DiversityWarning, rank_zero_only=True)
