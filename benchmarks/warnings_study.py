@@ -21,46 +21,69 @@ held-out batches (documents never seen in training). The script then asks of eve
   redundant pair) are zero-ablated at that step, against the same number of random heads of the
   same layers (``RANDOM_ABLATIONS`` draws of a private generator).
 
-Configurations: (a) ``baseline``; (b) ``narrow_heads``: too many narrow heads for the width;
-(c) ``wide_heads``: too few wide ones; (d) ``high_lr``: a high learning rate without QK-norm;
-(e) ``high_lr_qk_norm``: the same with QK-norm (LayerNorm on each head's queries and keys);
-(f) ``shuffled``: the baseline on shuffled tokens (the same bytes, no structure).
+Configurations (D=64, 2 layers, byte-level, 64-token windows, batch 16; AdamW without weight
+decay, ``LR_WARMUP`` steps of linear learning-rate warmup, then constant): (a) ``baseline`` (4
+heads, lr 1e-2); (b) ``narrow_heads``: 32 heads of width 2; (c) ``wide_heads``: 2 heads of width
+32; (d) ``high_lr``: lr 6e-2 without QK-norm, which trains unstably (held-out spikes; the largest
+attention logit grows tenfold); (e) ``high_lr_qk_norm``: the same with QK-norm (LayerNorm on each
+head's queries and keys), which trains smoothly; (f) ``shuffled``: the baseline on shuffled bytes
+(the same bytes, no structure).
 
-The detector's thresholds are used as the library ships them; ``warmup_steps`` and the window are
-scaled to the run (the defaults assume about ten measurements of warmup: ``warmup_steps=1000`` at
-one measurement every 100 steps). A grid of ``patience`` and ``min_delta`` is replayed offline on
-the recorded HDI series (`SaturationDetector` fed the same values the tracker fed it) to choose the
-defaults.
+The runs use the detectors with the defaults from before this study (``RUN_HDI``, ``RUN_KERNEL``,
+pinned here), with ``warmup_steps`` scaled to ``WARMUP_MEASUREMENTS`` measurements (the old
+``warmup_steps=1000`` is ten measurements at one per 100 steps). Every detector setting is then replayed offline over the recorded series (each
+layer and the model mean, fed to a fresh `SaturationDetector` or `KernelDetector` exactly as the
+tracker fed them; ``replay_check`` in the results says the replay with the used settings gives
+exactly the live events) and scored the same way: ``patience`` x ``min_delta`` for saturation,
+``collapse_delta`` x warmup for HDI collapse, ``entropy_fraction`` for entropy collapse,
+``logit_threshold`` x ``logit_growth`` for logit blow-up. ``chosen`` names, per event kind, the
+setting with the largest lift of precision over the random baseline among those with at least
+``MIN_SCORED`` scored events (None when none beats the baseline).
 
-Run: ``python benchmarks/warnings_study.py --seeds 0 1 2 3 4 --out benchmarks/results``
-(``--quick``: one seed, few steps, under two minutes). Writes ``warnings_study.json`` and
-``warnings_study.png`` into ``--out``, and with ``--docs PAGE`` replaces the generated block of that
-page (between its ``<!-- warnings-study:begin -->`` and ``<!-- warnings-study:end -->`` lines).
+Runs are trained ``--jobs`` at a time (default 2), one CPU thread each; the results do not depend
+on ``--jobs``.
+
+Run: ``python benchmarks/warnings_study.py --seeds 0 1 2 3 4 --out benchmarks/results --docs
+docs/early-warnings.md --readme README.md`` (``--quick``: one seed, few steps, under two minutes).
+Writes ``warnings_study.json`` (the scores), ``warnings_study_runs.json.gz`` (every run's recorded
+series, which ``--rescore`` scores again without training), ``warnings_study.md`` and
+``warnings_study.png`` into ``--out``; with
+``--docs PAGE`` replaces the generated block of that page (between its ``<!-- warnings-study:begin
+-->`` and ``<!-- warnings-study:end -->`` lines) with the tables and the plot (copied to ``img/``
+beside the page), and with ``--readme FILE`` the same block of that file with the event and settings
+tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib
 import inspect
 import json
 import math
+import os
+import shutil
 import statistics
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import torch
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
 from hdi_monitor.ablation import ablate_heads
-from hdi_monitor.monitor.detector import SaturationDetector
+from hdi_monitor.monitor.detector import KernelDetector, SaturationDetector
 from hdi_monitor.monitor.tracker import HDITracker
+from hdi_monitor.report import Projection
 
 #: Modules whose docstrings make the default corpus (they ship with every Python).
 MODULES = (
@@ -73,6 +96,22 @@ MODULES = (
 PLATEAU_REL = 0.01  # a held-out improvement of less than 1% over the window is a plateau
 SPIKE_REL = 0.10  # a held-out loss 10% above its best so far is a spike
 RANDOM_ABLATIONS = 5
+SERIES_FILE = "warnings_study_runs.json.gz"
+LR_WARMUP = 100  # steps of linear learning-rate warmup, then constant (AdamW, no weight decay)
+WARMUP_MEASUREMENTS = 10  # the runs' detector warmup: the old default (1000 steps at one measurement per 100)
+#: The detector settings the runs use: the library's defaults before this study set them (0.1's
+#: saturation detector, the first kernel-detector guesses), pinned here so that the recorded runs
+#: stay reproducible (and `replay_check` true) whatever defaults the library ships.
+RUN_HDI: dict[str, Any] = {"patience": 10, "min_delta": 0.002, "collapse_delta": 0.05, "redundancy_threshold": 0.9}
+RUN_KERNEL: dict[str, Any] = {
+    "entropy_fraction": 0.5,
+    "logit_threshold": 50.0,
+    "logit_growth": 4.0,
+    "patience": 10,
+    "min_logit": 10.0,
+}
+MIN_SCORED = 10  # saturation settings are chosen only among those with this many scored events
+MIN_FLAGGED_RUNS = 3  # ... and a spike kind's setting only among those that flag this many runs
 SEQ_LEN = 64
 BATCH = 16
 EVAL_BATCHES = 8
@@ -97,19 +136,23 @@ class Config:
     dim: int = 64
     heads: int = 4
     layers: int = 2
-    lr: float = 3e-3
+    lr: float = 1e-2
     qk_norm: bool = False
     shuffled: bool = False
 
 
 CONFIGS = (
-    Config("baseline", "D=64, 4 heads of width 16, lr 3e-3"),
+    Config("baseline", "D=64, 2 layers, 4 heads of width 16, lr 1e-2"),
     Config("narrow_heads", "D=64, 32 heads of width 2 (too many narrow heads)", heads=32),
     Config("wide_heads", "D=64, 2 heads of width 32 (too few wide heads)", heads=2),
-    Config("high_lr", "baseline at lr 3e-2, no QK-norm", lr=3e-2),
-    Config("high_lr_qk_norm", "baseline at lr 3e-2 with QK-norm", lr=3e-2, qk_norm=True),
+    Config("high_lr", "baseline at lr 6e-2, no QK-norm (unstable)", lr=6e-2),
+    Config("high_lr_qk_norm", "baseline at lr 6e-2 with QK-norm", lr=6e-2, qk_norm=True),
     Config("shuffled", "baseline on shuffled tokens (no structure)", shuffled=True),
 )
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)  # each worker process trains one run on one core
 
 
 def log(msg: str) -> None:
@@ -239,7 +282,12 @@ class Run:
     steps: list[int] = field(default_factory=list)  # measured steps
     held_out: list[float] = field(default_factory=list)  # held-out loss at each measured step
     train_loss: list[float] = field(default_factory=list)
-    hdi: dict[str, list[float]] = field(default_factory=dict)  # "mean/<projection>" -> series
+    hdi: dict[str, list[float]] = field(default_factory=dict)  # projection -> model-mean HDI series
+    #: "<layer>/<projection>" (layer "mean" included) -> HDI series, as the detector was fed them
+    hdi_series: dict[str, list[float | None]] = field(default_factory=dict)
+    chance_series: dict[str, float] = field(default_factory=dict)  # same keys -> chance level
+    #: "<layer>/<statistic>" (entropy, uniform, max_logit) -> series, as the kernel detector was fed them
+    kernel: dict[str, list[float | None]] = field(default_factory=dict)
     effective_heads: list[float] = field(default_factory=list)  # mean over layers
     chance: dict[str, float] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -287,9 +335,9 @@ def train_run(cfg: Config, seed: int, streams: tuple[Tensor, Tensor], *, steps: 
         held_stream = held_stream[torch.randperm(len(held_stream), generator=data_gen)]
     held = windows(held_stream, EVAL_BATCHES * BATCH, torch.Generator().manual_seed(7))
     model = TinyLM(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
-    warmup = 10 * every  # ten measurements, as the shipped default (1000 steps at every 100)
-    detector = SaturationDetector(warmup_steps=warmup)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / LR_WARMUP))
+    detector = SaturationDetector(warmup_steps=WARMUP_MEASUREMENTS * every, **RUN_HDI)
     tracker = HDITracker(
         model,
         every_n_steps=every,
@@ -298,6 +346,7 @@ def train_run(cfg: Config, seed: int, streams: tuple[Tensor, Tensor], *, steps: 
         detector=detector,
         activation_detector="default",
         kernel_stats=True,
+        kernel_detector=KernelDetector(warmup_steps=WARMUP_MEASUREMENTS * every, **RUN_KERNEL),
         on_saturation=lambda event: None,  # the study collects events; no warnings
         seed=seed,
     )
@@ -325,6 +374,20 @@ def train_run(cfg: Config, seed: int, streams: tuple[Tensor, Tensor], *, steps: 
                 mean = report.mean_hdi(projection)
                 run.hdi.setdefault(projection, []).append(float("nan") if mean is None else mean)
                 run.chance[projection] = statistics.fmean(la.chance_hdi[projection] for la in report.layers)
+            for la in report.layers:
+                for projection in PROJECTIONS:
+                    key = f"{la.name}/{projection}"
+                    run.hdi_series.setdefault(key, []).append(la.hdi.get(projection))
+                    run.chance_series[key] = la.chance_hdi[projection]
+                for stat, value in (
+                    ("entropy", la.mean_attention_entropy),
+                    ("uniform", la.mean_attention_entropy_uniform),
+                    ("max_logit", la.max_attention_logit_max),
+                ):
+                    run.kernel.setdefault(f"{la.name}/{stat}", []).append(value)
+            for projection in PROJECTIONS:
+                run.hdi_series.setdefault(f"mean/{projection}", []).append(report.mean_hdi(projection))
+                run.chance_series[f"mean/{projection}"] = run.chance[projection]
             effs = [la.effective_heads for la in report.layers if la.effective_heads is not None]
             run.effective_heads.append(statistics.fmean(effs) if effs else float("nan"))
             for event in measurement.events:
@@ -338,6 +401,7 @@ def train_run(cfg: Config, seed: int, streams: tuple[Tensor, Tensor], *, steps: 
                 run.diverged_at = step
                 break
         opt.step()
+        schedule.step()
     tracker.close()
     run.seconds = time.perf_counter() - start
     return run
@@ -424,8 +488,8 @@ def score(runs: Sequence[Run], kind: str, metric: str, *, window: int, warmup_in
             if ok and lead is not None:
                 leads.append(lead)
         # a detector firing at random measured steps after warmup, as often as this one did here
-        eligible = [outcome_after(run, i, outcome, window)[0] for i in range(warmup_index, len(run.steps))]
-        eligible = [e for e in eligible if e is not None]
+        states = [outcome_after(run, i, outcome, window)[0] for i in range(warmup_index, len(run.steps))]
+        eligible = [e for e in states if e is not None]
         if eligible and event_idx:
             base_num += len(event_idx) * sum(eligible) / len(eligible)
             base_den += len(event_idx)
@@ -445,24 +509,171 @@ def score(runs: Sequence[Run], kind: str, metric: str, *, window: int, warmup_in
     }
 
 
-def replay_grid(runs: Sequence[Run], *, window: int, every: int, warmup: int) -> list[dict[str, Any]]:
-    """Saturation/collapse of the model-mean key HDI, replayed offline with other detector settings."""
-    rows = []
-    for patience in (3, 5, 10):
-        for min_delta in (0.001, 0.002, 0.005):
-            replayed = []
-            for run in runs:
-                det = SaturationDetector(patience=patience, min_delta=min_delta, warmup_steps=warmup)
-                copy = Run(run.config, run.seed, run.steps, run.held_out, diverged_at=run.diverged_at)
-                for s, v in zip(run.steps, run.hdi.get("key", []), strict=False):
-                    for event in det.update(s, "mean", "key", v, chance=run.chance.get("key")):
-                        copy.events.append({"kind": event.kind, "metric": "hdi", "step": s})
-                replayed.append(copy)
-            sat = score(replayed, "saturation", "hdi", window=window, warmup_index=warmup // every)
-            rows.append(
-                {"patience": patience, "min_delta": min_delta, **{f"saturation_{k}": v for k, v in sat.items()}}
-            )
-    return rows
+def run_level(runs: Sequence[Run], kind: str, metric: str, *, warmup_index: int) -> dict[str, Any]:
+    """The same events judged per run rather than within a window: does a run in which the kind
+    fired go on to spike (a spike onset after the first event), against the fraction of all runs
+    that spike after warmup (a detector that flags runs at random), and how far ahead?"""
+    flagged = spiked_after = spiked = caught = 0
+    leads: list[int] = []
+    for run in runs:
+        index = {s: i for i, s in enumerate(run.steps)}
+        events = sorted(index[e["step"]] for e in run.events if e["kind"] == kind and e["metric"] == metric)
+        onsets = [u for u in spike_onsets(run) if u >= warmup_index]
+        spiked += bool(onsets)
+        if events:
+            flagged += 1
+            later = [u for u in onsets if u > events[0]]
+            if later:
+                spiked_after += 1
+                leads.append(run.steps[later[0]] - run.steps[events[0]])
+        if onsets and events and events[0] < onsets[0]:
+            caught += 1
+    return {
+        "runs": len(runs),
+        "runs_flagged": flagged,
+        "precision": spiked_after / flagged if flagged else None,
+        "baseline_precision": spiked / len(runs) if runs else None,
+        "recall": caught / spiked if spiked else None,
+        "median_lead_steps": statistics.median(leads) if leads else None,
+    }
+
+
+def replay_hdi(
+    runs: Sequence[Run], *, every: int, warmup: int, patience: int, min_delta: float, collapse_delta: float
+) -> list[Run]:
+    """The runs' HDI series (every layer and the mean, every projection) fed again to a fresh
+    `SaturationDetector` with other settings; the copies hold only the replayed events."""
+    replayed = []
+    for run in runs:
+        det = SaturationDetector(
+            patience=patience, min_delta=min_delta, warmup_steps=warmup * every, collapse_delta=collapse_delta
+        )
+        copy = Run(run.config, run.seed, run.steps, run.held_out, diverged_at=run.diverged_at)
+        for i, step in enumerate(run.steps):
+            for key, values in run.hdi_series.items():
+                layer, projection = key.rsplit("/", 1)
+                for event in det.update(
+                    step, layer, cast(Projection, projection), values[i], chance=run.chance_series.get(key)
+                ):
+                    copy.events.append({"kind": event.kind, "metric": "hdi", "layer": layer, "step": step})
+        replayed.append(copy)
+    return replayed
+
+
+def replay_kernel(runs: Sequence[Run], *, every: int, warmup: int, **settings: Any) -> list[Run]:
+    """The runs' kernel series (each layer's mean entropy, uniform level, largest logit) fed again
+    to a fresh `KernelDetector` with other settings."""
+    replayed = []
+    for run in runs:
+        det = KernelDetector(warmup_steps=warmup * every, **{**RUN_KERNEL, **settings})
+        copy = Run(run.config, run.seed, run.steps, run.held_out, diverged_at=run.diverged_at)
+        layers = sorted({key.rsplit("/", 1)[0] for key in run.kernel})
+        for i, step in enumerate(run.steps):
+            for layer in layers:
+                ent, uni, top = (run.kernel[f"{layer}/{stat}"][i] for stat in ("entropy", "uniform", "max_logit"))
+                for event in det.update(step, layer, entropy=ent, uniform=uni, max_logit=top):
+                    copy.events.append({"kind": event.kind, "metric": event.metric, "layer": layer, "step": step})
+        replayed.append(copy)
+    return replayed
+
+
+def replay_grids(runs: Sequence[Run], *, window: int, every: int, warmup: int) -> dict[str, list[dict[str, Any]]]:
+    """Each detector setting replayed offline over the recorded series and scored like the live
+    events: saturation over ``patience`` x ``min_delta`` x warmup; HDI collapse over ``collapse_delta`` x
+    warmup (in measurements); entropy collapse over ``entropy_fraction``; logit blow-up over
+    ``logit_threshold`` x ``logit_growth``."""
+    shipped = SimpleNamespace(**RUN_HDI)
+    grids: dict[str, list[dict[str, Any]]] = {
+        "saturation": [],
+        "collapse": [],
+        "entropy_collapse": [],
+        "logit_blowup": [],
+    }
+    for patience in (3, 5, 10, 20):
+        for min_delta in (0.001, 0.002, 0.005, 0.01):
+            for warm in (5, 10, 20):
+                replayed = replay_hdi(runs, every=every, warmup=warm, patience=patience, min_delta=min_delta,
+                                      collapse_delta=shipped.collapse_delta)  # fmt: skip
+                row = score(replayed, "saturation", "hdi", window=window, warmup_index=warm)
+                grids["saturation"].append(
+                    {"patience": patience, "min_delta": min_delta, "warmup_measurements": warm, **row}
+                )
+    for collapse_delta in (0.02, 0.05, 0.1, 0.2):
+        for warm in (5, 10, 20):
+            replayed = replay_hdi(runs, every=every, warmup=warm, patience=shipped.patience,
+                                  min_delta=shipped.min_delta, collapse_delta=collapse_delta)  # fmt: skip
+            row = score(replayed, "collapse", "hdi", window=window, warmup_index=warm)
+            row["run_level"] = run_level(replayed, "collapse", "hdi", warmup_index=warm)
+            grids["collapse"].append({"collapse_delta": collapse_delta, "warmup_measurements": warm, **row})
+    for fraction in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7):
+        replayed = replay_kernel(runs, every=every, warmup=warmup, entropy_fraction=fraction)
+        row = score(replayed, "entropy_collapse", "attention_entropy", window=window, warmup_index=warmup)
+        row["run_level"] = run_level(replayed, "entropy_collapse", "attention_entropy", warmup_index=warmup)
+        grids["entropy_collapse"].append({"entropy_fraction": fraction, **row})
+    for threshold in (20.0, 50.0, 100.0, 200.0, 500.0, 1000.0):
+        for growth in (4.0, 10.0, 100.0):
+            replayed = replay_kernel(runs, every=every, warmup=warmup, logit_threshold=threshold, logit_growth=growth,
+                                     min_logit=min(RUN_KERNEL["min_logit"], threshold / 2))  # fmt: skip
+            row = score(replayed, "logit_blowup", "max_attention_logit", window=window, warmup_index=warmup)
+            row["run_level"] = run_level(replayed, "logit_blowup", "max_attention_logit", warmup_index=warmup)
+            grids["logit_blowup"].append({"logit_threshold": threshold, "logit_growth": growth, **row})
+    return grids
+
+
+def replay_check(runs: Sequence[Run], *, every: int) -> bool:
+    """True when replaying the recorded series with the settings the runs used gives exactly the
+    HDI saturation/collapse and kernel events the tracker issued (the replays are faithful)."""
+    shipped = SimpleNamespace(**RUN_HDI)
+    hdi = replay_hdi(runs, every=every, warmup=WARMUP_MEASUREMENTS, patience=shipped.patience,
+                     min_delta=shipped.min_delta, collapse_delta=shipped.collapse_delta)  # fmt: skip
+    ker = replay_kernel(runs, every=every, warmup=WARMUP_MEASUREMENTS)
+
+    def key(e: dict[str, Any]) -> tuple[Any, ...]:
+        return (e["kind"], e["layer"], e["step"])
+
+    for run, a, b in zip(runs, hdi, ker, strict=True):
+        live = sorted(key(e) for e in run.events if e["kind"] != "redundancy" and e["metric"] != "effective_heads")
+        if live != sorted(key(e) for e in a.events + b.events):
+            return False
+    return True
+
+
+def used_settings() -> dict[str, dict[str, float]]:
+    """The detector settings the runs used (the library's defaults, warmup in measurements)."""
+    sat, ker = SimpleNamespace(**RUN_HDI), SimpleNamespace(**RUN_KERNEL)
+    return {
+        "saturation": {
+            "patience": sat.patience,
+            "min_delta": sat.min_delta,
+            "warmup_measurements": WARMUP_MEASUREMENTS,
+        },
+        "collapse": {"collapse_delta": sat.collapse_delta, "warmup_measurements": WARMUP_MEASUREMENTS},
+        "entropy_collapse": {"entropy_fraction": ker.entropy_fraction},
+        "logit_blowup": {"logit_threshold": ker.logit_threshold, "logit_growth": ker.logit_growth},
+    }
+
+
+def choose(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The setting with the largest lift of precision over the random baseline; None when none
+    qualifies or none beats the baseline. Saturation (re-armed, many events per run) is judged
+    within the window, among settings with at least ``MIN_SCORED`` scored events; the spike kinds
+    (each fires once per series: the run has been told) by run (``run_level``), among settings that
+    flag at least ``MIN_FLAGGED_RUNS`` runs. Ties: the setting that fires least."""
+
+    def judged(r: dict[str, Any]) -> dict[str, Any]:
+        return cast(dict[str, Any], r.get("run_level", r))
+
+    def enough(r: dict[str, Any]) -> bool:
+        if "run_level" in r:
+            return bool(r["run_level"]["runs_flagged"] >= MIN_FLAGGED_RUNS)
+        return bool(r["scored"] >= MIN_SCORED)
+
+    ok = [r for r in rows if enough(r) and judged(r)["precision"] is not None
+          and judged(r)["baseline_precision"] is not None]  # fmt: skip
+    if not ok:
+        return None
+    best = max(ok, key=lambda r: (judged(r)["precision"] - judged(r)["baseline_precision"], -r["fired"]))
+    return best if judged(best)["precision"] > judged(best)["baseline_precision"] else None
 
 
 def ablation_summary(runs: Sequence[Run]) -> dict[str, Any]:
@@ -510,11 +721,13 @@ def redundancy_precision(runs: Sequence[Run]) -> dict[str, Any]:
 def summarize(runs: Sequence[Run], *, window: int, every: int, warmup: int) -> dict[str, Any]:
     expected = {
         (kind, metric) for kind in ("saturation", "collapse", "redundancy") for metric in ("hdi", "effective_heads")
-    }
+    } | {("entropy_collapse", "attention_entropy"), ("logit_blowup", "max_attention_logit")}
     kinds = sorted(expected | {(e["kind"], e["metric"]) for run in runs for e in run.events})
     per_kind: dict[str, Any] = {}
     for kind, metric in kinds:
         row = score(runs, kind, metric, window=window, warmup_index=warmup // every)
+        if OUTCOME.get(kind) == "spike":
+            row["run_level"] = run_level(runs, kind, metric, warmup_index=warmup // every)
         if kind == "redundancy":
             subset = [
                 Run(r.config, r.seed, ablations=[a for a in r.ablations if (a["projection"] == "activations") == (metric == "effective_heads")])
@@ -535,12 +748,22 @@ def fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+SHIPPED = {
+    "saturation": ("patience", "min_delta", "warmup_measurements"),
+    "collapse": ("collapse_delta", "warmup_measurements"),
+    "entropy_collapse": ("entropy_fraction",),
+    "logit_blowup": ("logit_threshold", "logit_growth"),
+}
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = [
-        f"Measured by `{results['command']}` ({results['runs']} runs, {results['seconds']:.0f} s on "
-        f"{results['machine']}); window {results['window_steps']} steps, detector warmup "
-        f"{results['warmup_steps']} steps. Precision: events followed by their outcome within the window; "
-        "baseline: a detector firing at random measured steps at the same rate.",
+        f"Measured by `{results['command']}` ({results['runs']} runs of {results['steps']} steps, "
+        f"{results['seconds'] / 60:.0f} min on {results['machine']}); one measurement every "
+        f"{results['every_n_steps']} steps, outcome window {results['window_steps']} steps, detector warmup "
+        f"{results['warmup_steps']} steps. Precision: the fraction of events followed by their outcome within "
+        "the window (saturation: a held-out plateau; collapse, entropy collapse, logit blow-up: a held-out "
+        "spike or divergence); random baseline: a detector firing at random measured steps at the same rate.",
         "",
         "| event (metric) | fired | precision | random baseline | median lead (steps) | recall | flagged-head ablation (loss +) | random-head ablation (loss +) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -548,21 +771,84 @@ def markdown(results: dict[str, Any]) -> str:
     for key, row in results["overall"].items():
         abl = row.get("ablation_loss_increase", {}).get("mean")
         rnd = row.get("random_ablation_loss_increase", {}).get("mean")
+        abl_sd = row.get("ablation_loss_increase", {}).get("std")
+        rnd_sd = row.get("random_ablation_loss_increase", {}).get("std")
         lines.append(
             f"| {key} | {row['fired']} | {fmt(row['precision'])} | {fmt(row['baseline_precision'])} | "
-            f"{fmt(row['median_lead_steps'], 0)} | {fmt(row['recall'])} | {fmt(abl, 4)} | {fmt(rnd, 4)} |"
+            f"{fmt(row['median_lead_steps'], 0)} | {fmt(row['recall'])} | {fmt(abl, 4)}"
+            f"{'' if abl_sd is None else ' ± ' + fmt(abl_sd, 4)} | {fmt(rnd, 4)}"
+            f"{'' if rnd_sd is None else ' ± ' + fmt(rnd_sd, 4)} |"
         )
     lines += [
         "",
-        "| configuration | final held-out loss | diverged | key HDI (final) | key chance | events |",
+        "The spike kinds judged by run: of the runs in which the kind fired, the fraction that spiked "
+        "after its first event, against the fraction of all runs that spiked after warmup (flagging runs "
+        "at random); recall: the spiking runs it flagged before their first spike.",
+        "",
+        "| event (metric) | runs flagged | precision | random baseline | recall | median lead (steps) |",
         "|---|---:|---:|---:|---:|---:|",
+    ]
+    for key, row in results["overall"].items():
+        if "run_level" in row:
+            rl = row["run_level"]
+            lines.append(
+                f"| {key} | {rl['runs_flagged']} of {rl['runs']} | {fmt(rl['precision'])} | "
+                f"{fmt(rl['baseline_precision'])} | {fmt(rl['recall'])} | {fmt(rl['median_lead_steps'], 0)} |"
+            )
+    lines += [
+        "",
+        "Detector settings replayed over the recorded series (every layer and the model mean): the "
+        "setting the runs used and the one with the largest lift over the random baseline (saturation "
+        f"within the window, among settings with at least {results['min_scored']} scored events; the "
+        f"spike kinds by run, among settings that flag at least {results['min_flagged_runs']} runs). "
+        "The full grid is in the results file.",
+        "",
+        "| event | setting | judged | fired | precision | random baseline | recall | median lead (steps) |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for kind, names in SHIPPED.items():
+        rows = results["detector_grid"][kind]
+        used = results["used_settings"][kind]
+        shown = [("runs (old default)", next((r for r in rows if all(r[n] == used[n] for n in names)), None)),
+                 ("best lift", results["chosen"][kind])]  # fmt: skip
+        for label, row in shown:
+            if row is None:
+                lines.append(f"| {kind} | {label}: none beats the baseline | | | | | | |")
+                continue
+            setting = ", ".join(f"{n}={row[n]:g}" for n in names)
+            judged, how = (row["run_level"], "by run") if "run_level" in row else (row, "in window")
+            fired = f"{row['fired']} ({judged['runs_flagged']} runs)" if "run_level" in row else str(row["fired"])
+            lines.append(
+                f"| {kind} | {label}: {setting} | {how} | {fired} | {fmt(judged['precision'])} | "
+                f"{fmt(judged['baseline_precision'])} | {fmt(judged['recall'])} | {fmt(judged['median_lead_steps'], 0)} |"
+            )
+    lines += [
+        "",
+        "| configuration | final held-out loss | spike onsets | diverged | key HDI (final) | key chance | "
+        "attention entropy (final; uniform) | max logit (final) | events |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in results["configurations"].items():
         lines.append(
-            f"| {name} | {fmt(row['final_held_out'], 3)} | {row['diverged']} of {row['seeds']} | "
-            f"{fmt(row['final_key_hdi'], 3)} | {fmt(row['key_chance'], 3)} | {row['events']} |"
+            f"| {name} | {fmt(row['final_held_out'], 3)} | {row['spike_onsets']} in {row['spiking_runs']} runs | "
+            f"{row['diverged']} of "
+            f"{row['seeds']} | {fmt(row['final_key_hdi'], 3)} | {fmt(row['key_chance'], 3)} | "
+            f"{fmt(row['final_entropy'])}; {fmt(row['final_uniform'])} | {fmt(row['final_max_logit'], 1)} | "
+            f"{row['events']} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def layer_final(run: Run, stat: str, reduce: Any) -> float | None:
+    """``reduce`` over the layers of the last measured value of a kernel statistic."""
+    values = [v[-1] for k, v in run.kernel.items() if k.endswith(f"/{stat}") and v and v[-1] is not None]
+    return reduce(values) if values else None
+
+
+def _max_logit(run: Run, i: int) -> float:
+    """The largest attention logit over the layers at measurement ``i`` (NaN if none)."""
+    values = [v for k, series in run.kernel.items() if k.endswith("/max_logit") and (v := series[i]) is not None]
+    return max(values, default=math.nan)
 
 
 def plot(runs: Sequence[Run], path: Path) -> None:
@@ -572,24 +858,38 @@ def plot(runs: Sequence[Run], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(r.config for r in runs))
-    fig, axes = plt.subplots(2, len(names), figsize=(3.2 * len(names), 5.2), squeeze=False, sharex=True)
-    marks = {"saturation": "v", "collapse": "x", "redundancy": "o"}
+    fig, axes = plt.subplots(3, len(names), figsize=(3.2 * len(names), 7.4), squeeze=False, sharex=True)
+    marks = {"saturation": "v", "collapse": "x", "redundancy": "o", "entropy_collapse": "s", "logit_blowup": "^"}
     for col, name in enumerate(names):
         for run in (r for r in runs if r.config == name):
-            axes[0][col].plot(run.steps, run.held_out, lw=0.8)
-            axes[1][col].plot(run.steps, run.hdi.get("key", []), lw=0.8)
+            (line,) = axes[0][col].plot(run.steps, run.held_out, lw=0.8)
+            for i in spike_onsets(run):
+                axes[0][col].plot(run.steps[i], run.held_out[i] if math.isfinite(run.held_out[i]) else 0, "*",
+                                  ms=6, color=line.get_color())  # fmt: skip
+            axes[1][col].plot(run.steps, run.hdi.get("key", []), lw=0.8, color=line.get_color())
+            logits = [_max_logit(run, i) for i in range(len(run.steps))]
+            axes[2][col].plot(run.steps, logits, lw=0.8, color=line.get_color())
             for e in run.events:
-                if e["layer"] == "mean" or e["kind"] == "redundancy":
-                    i = run.steps.index(e["step"])
+                i = run.steps.index(e["step"])
+                if e["layer"] == "mean" and e["metric"] == "hdi":
                     axes[1][col].plot(e["step"], run.hdi["key"][i], marks.get(e["kind"], "."), ms=4, color="k")
+                elif e["kind"] in ("entropy_collapse", "logit_blowup"):
+                    axes[2][col].plot(e["step"], logits[i], marks[e["kind"]], ms=4, color="k")
         axes[0][col].set_title(name, fontsize=9)
         axes[1][col].axhline(
             statistics.fmean(r.chance.get("key", math.nan) for r in runs if r.config == name), ls=":", c="grey"
         )
-    axes[0][0].set_ylabel("held-out loss")
-    axes[1][0].set_ylabel("key HDI (mean; markers: events)")
+        axes[2][col].set_yscale("log")  # a non-positive largest logit is left out
+        finite = [v for r in runs if r.config == name for s, v in zip(r.steps, r.held_out, strict=True)
+                  if s >= LR_WARMUP and math.isfinite(v)]  # fmt: skip
+        if finite:  # the first steps' loss (about ln 128 and above) would flatten everything after
+            axes[0][col].set_ylim(min(finite) - 0.1, min(max(finite), 2 * min(finite)) + 0.1)
+        axes[2][col].set_xlabel("step")
+    axes[0][0].set_ylabel("held-out loss (*: spike onsets)")
+    axes[1][0].set_ylabel("key HDI, model mean\n(v saturation, x collapse)")
+    axes[2][0].set_ylabel("max attention logit\n(s entropy collapse, ^ blow-up)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
@@ -609,75 +909,141 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus", type=Path, default=None, help="a text file (default: stdlib docstrings)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--quick", action="store_true", help="one seed, few steps (a smoke run)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 1500; quick 60)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 2000; quick 60)")
     parser.add_argument("--every", type=int, default=None, help="measure every N steps (default 10; quick 3)")
-    parser.add_argument("--window", type=int, default=10, help="outcome window, in measurements")
+    parser.add_argument(
+        "--window", type=int, default=None, help="outcome window, in measurements (default 10; quick 3)"
+    )
     parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS], choices=[c.name for c in CONFIGS])
-    parser.add_argument("--docs", type=Path, default=None, help="a page whose generated block to replace")
+    parser.add_argument("--jobs", type=int, default=2, help="runs trained at once, one CPU thread each (default 2)")
+    parser.add_argument(
+        "--docs", type=Path, default=None, help="a docs page whose generated block to replace (the plot goes to img/)"
+    )
+    parser.add_argument(
+        "--readme", type=Path, default=None, help="a page whose generated block gets the event and settings tables"
+    )
+    parser.add_argument(
+        "--rescore", action="store_true",
+        help="train nothing: score again the runs recorded in --out/warnings_study.json (with this version's scoring)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    seeds = args.seeds[:1] if args.quick else args.seeds
-    steps = args.steps or (60 if args.quick else 1500)
-    every = args.every or (3 if args.quick else 10)
-    window = 3 if args.quick else args.window
-    if steps < 2 * every or every < 1 or window < 1:
-        parser.error("need --steps >= 2 * --every >= 2 and --window >= 1")
+    command = "python benchmarks/warnings_study.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.rescore:
+        recorded = json.loads((args.out / "warnings_study.json").read_text())
+        with gzip.open(args.out / SERIES_FILE, "rt") as f:
+            runs = [Run(**row) for row in json.load(f)]
+        meta = {k: recorded[k] for k in ("command", "seeds", "steps", "every_n_steps", "corpus", "machine", "seconds")}
+        window = args.window or recorded["window_measurements"]
+        meta["rescored_by"] = command
+    else:
+        seeds = args.seeds[:1] if args.quick else args.seeds
+        steps = args.steps or (60 if args.quick else 2000)
+        every = args.every or (3 if args.quick else 10)
+        window = args.window or (3 if args.quick else 10)
+        if steps < 2 * every or every < 1 or window < 1 or args.jobs < 1:
+            parser.error("need --steps >= 2 * --every >= 2, --window >= 1 and --jobs >= 1")
+        start = time.perf_counter()
+        runs = train_all(args, seeds, steps=steps, every=every)
+        meta = {
+            "command": command,
+            "seeds": seeds,
+            "steps": steps,
+            "every_n_steps": every,
+            "corpus": str(args.corpus) if args.corpus else "stdlib docstrings",
+            "machine": f"{args.jobs} worker processes of one thread each, {os.cpu_count()} CPUs, torch {torch.__version__}",
+            "seconds": time.perf_counter() - start,
+        }  # fmt: skip
+    results = score_runs(runs, meta, window=window)
+    args.out.mkdir(parents=True, exist_ok=True)
+    series = results.pop("series")
+    (args.out / "warnings_study.json").write_text(json.dumps(finite(results), indent=1, allow_nan=False))
+    with gzip.open(args.out / SERIES_FILE, "wt") as f:  # every run's recorded series, for --rescore
+        json.dump(finite(series), f, allow_nan=False, separators=(",", ":"))
+    plot(runs, args.out / "warnings_study.png")
+    table = markdown(results)
+    (args.out / "warnings_study.md").write_text(table)
+    if args.docs is not None:
+        image = args.docs.parent / "img" / "warnings_study.png"
+        image.parent.mkdir(exist_ok=True)
+        shutil.copyfile(args.out / "warnings_study.png", image)
+        replace_block(args.docs, f"{table}\n![What the study's runs recorded](img/warnings_study.png)\n")
+    if args.readme is not None:
+        parts = table.split("\n\n")  # measured by, events, by run (text, table), settings (text, table), configs
+        replace_block(args.readme, "\n\n".join(parts[:2] + parts[4:6]) + "\n")
+    print(table)
+    log(f"done; wrote {args.out / 'warnings_study.json'}")
+    return 0
+
+
+def train_all(args: argparse.Namespace, seeds: list[int], *, steps: int, every: int) -> list[Run]:
+    """Every (configuration, seed) run, ``--jobs`` at a time, in job order."""
     docs = file_documents(args.corpus) if args.corpus else stdlib_documents()
     streams = split_tokens(docs, seed=0)
     log(f"corpus: {len(docs)} documents, {len(streams[0])} train / {len(streams[1])} held-out bytes")
-    start = time.perf_counter()
+    jobs = [(cfg, seed) for cfg in CONFIGS if cfg.name in args.configs for seed in seeds]
     runs: list[Run] = []
-    for cfg in (c for c in CONFIGS if c.name in args.configs):
-        for seed in seeds:
-            run = train_run(cfg, seed, streams, steps=steps, every=every)
+    with ProcessPoolExecutor(
+        max_workers=args.jobs, mp_context=mp.get_context("spawn"), initializer=_one_thread
+    ) as pool:
+        futures = [pool.submit(train_run, cfg, seed, streams, steps=steps, every=every) for cfg, seed in jobs]
+        for future in futures:  # in job order: the results file does not depend on --jobs
+            run = future.result()
             runs.append(run)
-            log(f"{cfg.name} seed {seed}: held-out {run.held_out[-1] if run.held_out else math.nan:.3f}, "
+            log(f"{run.config} seed {run.seed}: held-out {run.held_out[-1] if run.held_out else math.nan:.3f}, "
                 f"{len(run.events)} events, {run.seconds:.1f} s")  # fmt: skip
-    seconds = time.perf_counter() - start
-    warmup = 10 * every
+    return runs
+
+
+def score_runs(runs: list[Run], meta: dict[str, Any], *, window: int) -> dict[str, Any]:
+    """The results file's contents: ``meta`` (command, seeds, steps, ...), per configuration and
+    overall scores, the replayed detector grids, and every run's series."""
+    every = meta["every_n_steps"]
+    warmup = WARMUP_MEASUREMENTS * every
+    by_name = {c.name: c for c in CONFIGS}
     configurations = {}
-    for cfg in (c for c in CONFIGS if c.name in args.configs):
-        rs = [r for r in runs if r.config == cfg.name]
+    for name in dict.fromkeys(r.config for r in runs):
+        rs = [r for r in runs if r.config == name]
         finals = [r.held_out[-1] for r in rs if r.held_out and math.isfinite(r.held_out[-1])]
         keys = [r.hdi["key"][-1] for r in rs if r.hdi.get("key")]
-        configurations[cfg.name] = {
-            **asdict(cfg),
+        configurations[name] = {
+            **asdict(by_name[name]),
             "seeds": len(rs),
             "diverged": sum(r.diverged_at is not None for r in rs),
-            "final_held_out": statistics.fmean(finals) if finals else None,
-            "final_key_hdi": statistics.fmean(keys) if keys else None,
-            "key_chance": statistics.fmean(r.chance["key"] for r in rs if "key" in r.chance) if rs else None,
+            "final_held_out": _mean(finals),
+            "final_key_hdi": _mean(keys),
+            "key_chance": _mean([r.chance.get("key") for r in rs]),
             "events": sum(len(r.events) for r in rs),
+            "spike_onsets": sum(len(spike_onsets(r)) for r in rs),
+            "spiking_runs": sum(any(u >= WARMUP_MEASUREMENTS for u in spike_onsets(r)) for r in rs),
+            "final_entropy": _mean([layer_final(r, "entropy", statistics.fmean) for r in rs]),
+            "final_uniform": _mean([layer_final(r, "uniform", statistics.fmean) for r in rs]),
+            "final_max_logit": _mean([layer_final(r, "max_logit", max) for r in rs]),
             "per_kind": summarize(rs, window=window, every=every, warmup=warmup),
         }
-    results = {
-        "command": "python benchmarks/warnings_study.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "seeds": seeds,
-        "steps": steps,
-        "every_n_steps": every,
+    grids = replay_grids(runs, window=window, every=every, warmup=WARMUP_MEASUREMENTS)
+    return {
+        **meta,
         "window_measurements": window,
         "window_steps": window * every,
         "warmup_steps": warmup,
         "plateau_rel": PLATEAU_REL,
         "spike_rel": SPIKE_REL,
-        "corpus": str(args.corpus) if args.corpus else "stdlib docstrings",
-        "machine": f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}",
+        "min_scored": MIN_SCORED,
+        "min_flagged_runs": MIN_FLAGGED_RUNS,
+        "used_settings": used_settings(),
         "runs": len(runs),
-        "seconds": seconds,
         "configurations": configurations,
         "overall": summarize(runs, window=window, every=every, warmup=warmup),
-        "detector_grid": replay_grid(runs, window=window, every=every, warmup=warmup),
+        "detector_grid": grids,
+        "chosen": {kind: choose(rows) for kind, rows in grids.items()},
+        "replay_check": replay_check(runs, every=every),
         "series": [asdict(r) for r in runs],
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "warnings_study.json").write_text(json.dumps(finite(results), indent=1, allow_nan=False))
-    plot(runs, args.out / "warnings_study.png")
-    table = markdown(results)
-    (args.out / "warnings_study.md").write_text(table)
-    if args.docs is not None:
-        replace_block(args.docs, table)
-    print(table)
-    log(f"done in {seconds:.0f} s; wrote {args.out / 'warnings_study.json'}")
-    return 0
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    kept = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.fmean(kept) if kept else None
 
 
 def finite(value: Any) -> Any:
