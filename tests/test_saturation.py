@@ -10,6 +10,7 @@ import io
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from scipy import stats
 from hdi_monitor.monitor.detector import (
     DiversityEvent,
     DiversityWarning,
+    KernelDetector,
     SaturationDetector,
     redundant_pairs,
     theil_sen_slope,
@@ -124,22 +126,26 @@ def test_one_warning_class_whatever_the_import_path():
     import hdi_monitor.monitor.detector
 
     assert DiversityWarning is hdi_monitor.DiversityWarning is hdi_monitor.exceptions.DiversityWarning
-    assert hdi_monitor.monitor.detector.DiversityWarning is hdi_monitor.monitor._warnings.DiversityWarning is DiversityWarning
+    assert (
+        hdi_monitor.monitor.detector.DiversityWarning
+        is hdi_monitor.monitor._warnings.DiversityWarning
+        is DiversityWarning
+    )
 
 
 # ---------------------------------------------------------------------------- saturation
 
 
 def test_plateau_fires_after_warmup_plus_patience():
-    det = SaturationDetector()  # patience=10, warmup_steps=1000
+    det = SaturationDetector()  # patience=10, warmup_steps=2000
     events = feed(det, [0.731] * 40, chance=CHANCE)
-    # First counted measurement at step 1000; the window of patience + 1 = 11 is full at step 2000.
-    assert kinds(events) == [("saturation", 2000)]
+    # First counted measurement at step 2000; the window of patience + 1 = 11 is full at step 3000.
+    assert kinds(events) == [("saturation", 3000)]
     e = events[0]
     assert (e.layer, e.projection, e.metric, e.value, e.best, e.chance) == (LAYER, "key", "hdi", 0.731, 0.731, CHANCE)
     msg = e.message
     assert LAYER in msg and "(key)" in msg and "0.002" in msg and "10 measurements" in msg
-    assert "0.731" in msg and "0.923" in msg and "step 2000" in msg and "below the 0.923 chance level" in msg
+    assert "0.731" in msg and "0.923" in msg and "step 3000" in msg and "below the 0.923 chance level" in msg
     assert "\n" not in msg and msg.endswith(".")
 
 
@@ -535,3 +541,22 @@ def test_load_state_dict_errors_and_shrinking_patience():
     assert [s for s, _ in short.history(LAYER, "key")] == [1600, 1700, 1800, 1900]
     # The restored detector goes on: a plateau from here fires after 3 more measurements.
     assert kinds(feed(short, [0.69] * 4, start=2000)) == [("saturation", 2200)]
+
+
+def test_defaults_are_the_settings_the_warnings_study_chose():
+    """The detectors' defaults are the settings `benchmarks/warnings_study.py` chose (its results
+    file, one measurement per 100 steps for the warmup); where the study chose none (no setting beat
+    the random baseline) the default is the one its runs used. A re-run of the study that chooses
+    differently fails here until the defaults (and docs/early-warnings.md) follow it."""
+    results = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/warnings_study.json").read_text())
+    chosen, used = results["chosen"], results["used_settings"]
+    sat, ker = SaturationDetector(), KernelDetector()
+    pick = {kind: chosen[kind] if chosen[kind] is not None else used[kind] for kind in chosen}
+    assert (sat.patience, sat.min_delta) == (pick["saturation"]["patience"], pick["saturation"]["min_delta"])
+    assert sat.warmup_steps == 100 * pick["saturation"]["warmup_measurements"] == ker.warmup_steps
+    assert sat.collapse_delta == pick["collapse"]["collapse_delta"]
+    assert ker.entropy_fraction == pick["entropy_collapse"]["entropy_fraction"]
+    assert (ker.logit_threshold, ker.logit_growth) == (
+        pick["logit_blowup"]["logit_threshold"],
+        pick["logit_blowup"]["logit_growth"],
+    )

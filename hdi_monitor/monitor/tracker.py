@@ -176,7 +176,7 @@ class HDITracker:
             `hdi_monitor.monitor.render.render_job`. A renderer that raises or is slow never
             fails or holds training.
         kernel_detector: early warnings from the kernel statistics (``kernel_stats=True``): entropy
-            collapse and logit blow-up (`KernelDetector`, provisional thresholds). ``"default"``:
+            collapse and logit blow-up (`KernelDetector`, thresholds from the warnings study). ``"default"``:
             ``KernelDetector(warmup_steps=...)`` with the HDI detector's warmup when ``detector``
             is not None and ``kernel_stats`` is on, else None; None turns them off.
         **fields: `MonitorConfig` fields, applied over ``config``:
