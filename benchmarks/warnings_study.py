@@ -110,6 +110,8 @@ RUN_KERNEL: dict[str, Any] = {
     "patience": 10,
     "min_logit": 10.0,
 }
+KERNEL_WARMUPS = (10, 20)  # measurements of warmup at which the kernel settings are replayed
+MIN_LIFT = 0.02  # a setting is chosen only if its precision beats its baseline by more than this
 MIN_SCORED = 10  # saturation settings are chosen only among those with this many scored events
 MIN_FLAGGED_RUNS = 3  # ... and a spike kind's setting only among those that flag this many runs
 SEQ_LEN = 64
@@ -438,20 +440,21 @@ def plateau_at(run: Run, i: int, window: int) -> bool | None:
 
 def outcome_after(run: Run, i: int, outcome: str, window: int) -> tuple[bool | None, int | None]:
     """Whether ``outcome`` follows measurement index ``i`` within ``window`` measurements, and the
-    lead in steps (outcome step minus event step) when it does."""
+    lead in steps (outcome step minus event step) when it does; None when the measurements needed
+    to decide run past the end of the run (for both outcomes alike, hit or miss; a divergence ends
+    the run and decides)."""
     if outcome == "plateau":
-        for j in range(i, min(i + window, len(run.held_out) - 1) + 1):
-            state = plateau_at(run, j, window)
-            if state is None:
-                return (None, None) if j == i else (False, None)
-            if state:
+        if i + 2 * window >= len(run.held_out):  # plateau_at(j) looks ``window`` past j <= i + window
+            return None, None
+        for j in range(i, i + window + 1):
+            if plateau_at(run, j, window):
                 return True, run.steps[j] - run.steps[i]
         return False, None
+    if i + window >= len(run.held_out) and run.diverged_at is None:
+        return None, None
     for j in spike_onsets(run):
         if i < j <= i + window:
             return True, run.steps[j] - run.steps[i]
-    if i + window >= len(run.held_out) and run.diverged_at is None:
-        return None, None
     return False, None
 
 
@@ -467,42 +470,73 @@ def outcome_onsets(run: Run, outcome: str, window: int) -> list[int]:
     return onsets
 
 
+#: Outcome states per (run's held-out list, outcome, window), shared by the many replays of one scoring.
+_STATES: dict[tuple[int, str, int], list[bool | None]] = {}
+
+
+def outcome_states(run: Run, outcome: str, window: int) -> list[bool | None]:
+    """`outcome_after` at every measured index of ``run`` (cached: replayed copies share the list)."""
+    key = (id(run.held_out), outcome, window)
+    if key not in _STATES:
+        _STATES[key] = [outcome_after(run, i, outcome, window)[0] for i in range(len(run.steps))]
+    return _STATES[key]
+
+
 def score(runs: Sequence[Run], kind: str, metric: str, *, window: int, warmup_index: int) -> dict[str, Any]:
-    """Fired, precision, baseline precision, median lead and recall of one event kind and metric
-    (the ``mean`` series and every layer pooled; one event per measured step counted)."""
+    """Fired, precision, baselines, median lead and recall of one event kind and metric (the
+    ``mean`` series and every layer pooled; one event per measured step counted: ``fired`` is the
+    number of measured steps with an event).
+
+    Two baselines: ``baseline_precision``, a detector firing at random measured steps after warmup
+    as often as this one was scored in each run; ``matched_baseline_precision``, the outcome rate at
+    the same measured steps in the other seeds of the same configuration (a detector that knows
+    only when in training to fire)."""
     outcome = OUTCOME.get(kind, "spike")
     hits = scored = fired = 0
     leads: list[int] = []
-    base_num = base_den = 0.0
+    base_num = base_den = matched_num = matched_den = 0.0
     onsets_total = onsets_caught = 0
     for run in runs:
         index = {s: i for i, s in enumerate(run.steps)}
         event_idx = sorted({index[e["step"]] for e in run.events if e["kind"] == kind and e["metric"] == metric})
         fired += len(event_idx)
+        states = outcome_states(run, outcome, window)
+        scored_here = 0
         for i in event_idx:
-            ok, lead = outcome_after(run, i, outcome, window)
+            ok = states[i]
             if ok is None:
                 continue
-            scored += 1
+            scored_here += 1
             hits += int(ok)
+            lead = outcome_after(run, i, outcome, window)[1]
             if ok and lead is not None:
                 leads.append(lead)
-        # a detector firing at random measured steps after warmup, as often as this one did here
-        states = [outcome_after(run, i, outcome, window)[0] for i in range(warmup_index, len(run.steps))]
-        eligible = [e for e in states if e is not None]
-        if eligible and event_idx:
-            base_num += len(event_idx) * sum(eligible) / len(eligible)
-            base_den += len(event_idx)
+            others = [
+                bool(o[i]) for o in (outcome_states(r, outcome, window) for r in runs
+                                     if r.config == run.config and r is not run) if i < len(o) and o[i] is not None
+            ]  # fmt: skip
+            if others:
+                matched_num += sum(others) / len(others)
+                matched_den += 1
+        scored += scored_here
+        eligible = [e for e in states[warmup_index:] if e is not None]
+        if eligible and scored_here:
+            base_num += scored_here * sum(eligible) / len(eligible)
+            base_den += scored_here
         for u in outcome_onsets(run, outcome, window):
             if u < warmup_index:
                 continue
             onsets_total += 1
-            onsets_caught += int(any(u - window <= i <= u for i in event_idx))
+            # a plateau onset at u is a claim about what follows u: an event at u precedes it;
+            # a spike onset at u has happened: only earlier events caught it
+            last = u if outcome == "plateau" else u - 1
+            onsets_caught += int(any(u - window <= i <= last for i in event_idx))
     return {
         "fired": fired,
         "scored": scored,
         "precision": hits / scored if scored else None,
         "baseline_precision": base_num / base_den if base_den else None,
+        "matched_baseline_precision": matched_num / matched_den if matched_den else None,
         "median_lead_steps": statistics.median(leads) if leads else None,
         "outcomes": onsets_total,
         "recall": onsets_caught / onsets_total if onsets_total else None,
@@ -512,16 +546,20 @@ def score(runs: Sequence[Run], kind: str, metric: str, *, window: int, warmup_in
 def run_level(runs: Sequence[Run], kind: str, metric: str, *, warmup_index: int) -> dict[str, Any]:
     """The same events judged per run rather than within a window: does a run in which the kind
     fired go on to spike (a spike onset after the first event), against the fraction of all runs
-    that spike after warmup (a detector that flags runs at random), and how far ahead?"""
-    flagged = spiked_after = spiked = caught = 0
+    that spike after warmup (a detector that flags runs at random), and how far ahead? Also: how
+    many of the runs that never spiked it flagged, and how many runs it flagged before any spike."""
+    flagged = spiked_after = spiked = caught = healthy_flagged = early = 0
     leads: list[int] = []
     for run in runs:
         index = {s: i for i, s in enumerate(run.steps)}
         events = sorted(index[e["step"]] for e in run.events if e["kind"] == kind and e["metric"] == metric)
-        onsets = [u for u in spike_onsets(run) if u >= warmup_index]
+        every_onset = spike_onsets(run)
+        onsets = [u for u in every_onset if u >= warmup_index]
         spiked += bool(onsets)
         if events:
             flagged += 1
+            healthy_flagged += not onsets
+            early += bool(onsets) and events[0] < every_onset[0]
             later = [u for u in onsets if u > events[0]]
             if later:
                 spiked_after += 1
@@ -531,6 +569,9 @@ def run_level(runs: Sequence[Run], kind: str, metric: str, *, warmup_index: int)
     return {
         "runs": len(runs),
         "runs_flagged": flagged,
+        "spiking_runs": spiked,
+        "healthy_runs_flagged": healthy_flagged,
+        "flagged_before_any_spike": early,
         "precision": spiked_after / flagged if flagged else None,
         "baseline_precision": spiked / len(runs) if runs else None,
         "recall": caught / spiked if spiked else None,
@@ -605,19 +646,33 @@ def replay_grids(runs: Sequence[Run], *, window: int, every: int, warmup: int) -
             row = score(replayed, "collapse", "hdi", window=window, warmup_index=warm)
             row["run_level"] = run_level(replayed, "collapse", "hdi", warmup_index=warm)
             grids["collapse"].append({"collapse_delta": collapse_delta, "warmup_measurements": warm, **row})
-    for fraction in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7):
-        replayed = replay_kernel(runs, every=every, warmup=warmup, entropy_fraction=fraction)
-        row = score(replayed, "entropy_collapse", "attention_entropy", window=window, warmup_index=warmup)
-        row["run_level"] = run_level(replayed, "entropy_collapse", "attention_entropy", warmup_index=warmup)
-        grids["entropy_collapse"].append({"entropy_fraction": fraction, **row})
-    for threshold in (20.0, 50.0, 100.0, 200.0, 500.0, 1000.0):
-        for growth in (4.0, 10.0, 100.0):
-            replayed = replay_kernel(runs, every=every, warmup=warmup, logit_threshold=threshold, logit_growth=growth,
-                                     min_logit=min(RUN_KERNEL["min_logit"], threshold / 2))  # fmt: skip
-            row = score(replayed, "logit_blowup", "max_attention_logit", window=window, warmup_index=warmup)
-            row["run_level"] = run_level(replayed, "logit_blowup", "max_attention_logit", warmup_index=warmup)
-            grids["logit_blowup"].append({"logit_threshold": threshold, "logit_growth": growth, **row})
+    for warm in KERNEL_WARMUPS:  # the kernel detector takes the HDI detector's warmup: replay both
+        for fraction in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7):
+            replayed = replay_kernel(runs, every=every, warmup=warm, entropy_fraction=fraction)
+            row = score(replayed, "entropy_collapse", "attention_entropy", window=window, warmup_index=warm)
+            row["run_level"] = run_level(replayed, "entropy_collapse", "attention_entropy", warmup_index=warm)
+            grids["entropy_collapse"].append({"entropy_fraction": fraction, "warmup_measurements": warm, **row})
+        for threshold in (20.0, 50.0, 100.0, 200.0, 500.0, 1000.0):
+            for growth in (4.0, 10.0, 100.0):
+                replayed = replay_kernel(runs, every=every, warmup=warm, logit_threshold=threshold,
+                                         logit_growth=growth, min_logit=min(RUN_KERNEL["min_logit"], threshold / 2))  # fmt: skip
+                row = score(replayed, "logit_blowup", "max_attention_logit", window=window, warmup_index=warm)
+                row["run_level"] = run_level(replayed, "logit_blowup", "max_attention_logit", warmup_index=warm)
+                grids["logit_blowup"].append(
+                    {"logit_threshold": threshold, "logit_growth": growth, "warmup_measurements": warm, **row}
+                )
     return grids
+
+
+def choose_all(grids: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any] | None]:
+    """`choose` per kind. The library has one warmup for every detector, so saturation (the kind
+    judged on most events) sets it, and the other kinds are chosen among settings replayed at it."""
+    chosen: dict[str, dict[str, Any] | None] = {"saturation": choose(grids["saturation"])}  # sets the warmup
+    sat = chosen["saturation"]
+    warm = sat["warmup_measurements"] if sat is not None else WARMUP_MEASUREMENTS
+    for kind in ("collapse", "entropy_collapse", "logit_blowup"):
+        chosen[kind] = choose([r for r in grids[kind] if r["warmup_measurements"] == warm])
+    return chosen
 
 
 def replay_check(runs: Sequence[Run], *, every: int) -> bool:
@@ -648,32 +703,42 @@ def used_settings() -> dict[str, dict[str, float]]:
             "warmup_measurements": WARMUP_MEASUREMENTS,
         },
         "collapse": {"collapse_delta": sat.collapse_delta, "warmup_measurements": WARMUP_MEASUREMENTS},
-        "entropy_collapse": {"entropy_fraction": ker.entropy_fraction},
-        "logit_blowup": {"logit_threshold": ker.logit_threshold, "logit_growth": ker.logit_growth},
+        "entropy_collapse": {"entropy_fraction": ker.entropy_fraction, "warmup_measurements": WARMUP_MEASUREMENTS},
+        "logit_blowup": {
+            "logit_threshold": ker.logit_threshold,
+            "logit_growth": ker.logit_growth,
+            "warmup_measurements": WARMUP_MEASUREMENTS,
+        },
     }
 
 
 def choose(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """The setting with the largest lift of precision over the random baseline; None when none
-    qualifies or none beats the baseline. Saturation (re-armed, many events per run) is judged
-    within the window, among settings with at least ``MIN_SCORED`` scored events; the spike kinds
-    (each fires once per series: the run has been told) by run (``run_level``), among settings that
-    flag at least ``MIN_FLAGGED_RUNS`` runs. Ties: the setting that fires least."""
+    """The setting with the largest lift of precision over its baseline, if that lift exceeds
+    ``MIN_LIFT``; None otherwise. Saturation (re-armed, many events per run) is judged within the
+    window against the stricter of the random and the time-matched baselines, among settings with
+    at least ``MIN_SCORED`` scored events; the spike kinds (each fires once per series: the run has
+    been told) by run (``run_level``) against flagging runs at random, among settings that flag at
+    least ``MIN_FLAGGED_RUNS`` runs. Ties: the setting that flags more (recall, then events)."""
 
-    def judged(r: dict[str, Any]) -> dict[str, Any]:
-        return cast(dict[str, Any], r.get("run_level", r))
+    def lift(r: dict[str, Any]) -> float | None:
+        judged = r.get("run_level", r)
+        if judged["precision"] is None or judged["baseline_precision"] is None:
+            return None
+        reference = judged["baseline_precision"]
+        if "run_level" not in r and r.get("matched_baseline_precision") is not None:
+            reference = max(reference, r["matched_baseline_precision"])
+        return float(judged["precision"] - reference)
 
     def enough(r: dict[str, Any]) -> bool:
         if "run_level" in r:
             return bool(r["run_level"]["runs_flagged"] >= MIN_FLAGGED_RUNS)
         return bool(r["scored"] >= MIN_SCORED)
 
-    ok = [r for r in rows if enough(r) and judged(r)["precision"] is not None
-          and judged(r)["baseline_precision"] is not None]  # fmt: skip
+    ok = [(gain, r) for r in rows if enough(r) and (gain := lift(r)) is not None]
     if not ok:
         return None
-    best = max(ok, key=lambda r: (judged(r)["precision"] - judged(r)["baseline_precision"], -r["fired"]))
-    return best if judged(best)["precision"] > judged(best)["baseline_precision"] else None
+    gain, best = max(ok, key=lambda t: (t[0], t[1].get("run_level", t[1])["recall"] or 0.0, t[1]["fired"]))
+    return best if gain > MIN_LIFT else None
 
 
 def ablation_summary(runs: Sequence[Run]) -> dict[str, Any]:
@@ -751,8 +816,8 @@ def fmt(value: Any, digits: int = 2) -> str:
 SHIPPED = {
     "saturation": ("patience", "min_delta", "warmup_measurements"),
     "collapse": ("collapse_delta", "warmup_measurements"),
-    "entropy_collapse": ("entropy_fraction",),
-    "logit_blowup": ("logit_threshold", "logit_growth"),
+    "entropy_collapse": ("entropy_fraction", "warmup_measurements"),
+    "logit_blowup": ("logit_threshold", "logit_growth", "warmup_measurements"),
 }
 
 
@@ -761,12 +826,14 @@ def markdown(results: dict[str, Any]) -> str:
         f"Measured by `{results['command']}` ({results['runs']} runs of {results['steps']} steps, "
         f"{results['seconds'] / 60:.0f} min on {results['machine']}); one measurement every "
         f"{results['every_n_steps']} steps, outcome window {results['window_steps']} steps, detector warmup "
-        f"{results['warmup_steps']} steps. Precision: the fraction of events followed by their outcome within "
-        "the window (saturation: a held-out plateau; collapse, entropy collapse, logit blow-up: a held-out "
-        "spike or divergence); random baseline: a detector firing at random measured steps at the same rate.",
+        f"{results['warmup_steps']} steps. Fired: measured steps with an event. Precision: the fraction of "
+        "them followed by their outcome within the window (saturation: a held-out plateau; collapse, entropy "
+        "collapse, logit blow-up: a held-out spike or divergence). Random baseline: a detector firing at "
+        "random measured steps as often; time-matched: the outcome rate at the same steps in the other seeds "
+        "of the same configuration.",
         "",
-        "| event (metric) | fired | precision | random baseline | median lead (steps) | recall | flagged-head ablation (loss +) | random-head ablation (loss +) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| event (metric) | fired | precision | random baseline | time-matched baseline | median lead (steps) | recall | flagged-head ablation (loss +) | random-head ablation (loss +) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for key, row in results["overall"].items():
         abl = row.get("ablation_loss_increase", {}).get("mean")
@@ -775,6 +842,7 @@ def markdown(results: dict[str, Any]) -> str:
         rnd_sd = row.get("random_ablation_loss_increase", {}).get("std")
         lines.append(
             f"| {key} | {row['fired']} | {fmt(row['precision'])} | {fmt(row['baseline_precision'])} | "
+            f"{fmt(row.get('matched_baseline_precision'))} | "
             f"{fmt(row['median_lead_steps'], 0)} | {fmt(row['recall'])} | {fmt(abl, 4)}"
             f"{'' if abl_sd is None else ' ± ' + fmt(abl_sd, 4)} | {fmt(rnd, 4)}"
             f"{'' if rnd_sd is None else ' ± ' + fmt(rnd_sd, 4)} |"
@@ -783,28 +851,27 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "The spike kinds judged by run: of the runs in which the kind fired, the fraction that spiked "
         "after its first event, against the fraction of all runs that spiked after warmup (flagging runs "
-        "at random); recall: the spiking runs it flagged before their first spike.",
+        "at random); the runs that never spiked among those flagged; the spiking runs flagged before any "
+        "spike; recall: the spiking runs flagged before their first spike after warmup.",
         "",
-        "| event (metric) | runs flagged | precision | random baseline | recall | median lead (steps) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| event (metric) | runs flagged | precision | random baseline | never-spiking runs flagged | flagged before any spike | recall | median lead (steps) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for key, row in results["overall"].items():
         if "run_level" in row:
-            rl = row["run_level"]
-            lines.append(
-                f"| {key} | {rl['runs_flagged']} of {rl['runs']} | {fmt(rl['precision'])} | "
-                f"{fmt(rl['baseline_precision'])} | {fmt(rl['recall'])} | {fmt(rl['median_lead_steps'], 0)} |"
-            )
+            lines.append(f"| {key} | {_run_cells(row['run_level'])} |")
     lines += [
         "",
         "Detector settings replayed over the recorded series (every layer and the model mean): the "
-        "setting the runs used and the one with the largest lift over the random baseline (saturation "
-        f"within the window, among settings with at least {results['min_scored']} scored events; the "
-        f"spike kinds by run, among settings that flag at least {results['min_flagged_runs']} runs). "
-        "The full grid is in the results file.",
+        "setting the runs used and the one with the largest lift of precision over its baseline, if "
+        f"that lift exceeds {results['min_lift']}: saturation within the window against the stricter of "
+        f"the random and time-matched baselines, among settings with at least {results['min_scored']} "
+        f"scored events; the spike kinds by run, among settings that flag at least "
+        f"{results['min_flagged_runs']} runs, at the warmup chosen for saturation (the runs' own when none "
+        "is), since the library has one warmup for all detectors. The full grid is in the results file.",
         "",
-        "| event | setting | judged | fired | precision | random baseline | recall | median lead (steps) |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| event | setting | in window: fired, precision (random; time-matched) | by run: runs flagged | precision | random baseline | never-spiking runs flagged | flagged before any spike | recall | median lead (steps) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for kind, names in SHIPPED.items():
         rows = results["detector_grid"][kind]
@@ -813,16 +880,20 @@ def markdown(results: dict[str, Any]) -> str:
                  ("best lift", results["chosen"][kind])]  # fmt: skip
         for label, row in shown:
             if row is None:
-                lines.append(f"| {kind} | {label}: none beats the baseline | | | | | | |")
+                lines.append(
+                    f"| {kind} | {label}: none beats its baseline by more than {results['min_lift']} | |{' |' * 7}"
+                )
                 continue
             setting = ", ".join(f"{n}={row[n]:g}" for n in names)
-            judged, how = (row["run_level"], "by run") if "run_level" in row else (row, "in window")
-            fired = f"{row['fired']} ({judged['runs_flagged']} runs)" if "run_level" in row else str(row["fired"])
-            lines.append(
-                f"| {kind} | {label}: {setting} | {how} | {fired} | {fmt(judged['precision'])} | "
-                f"{fmt(judged['baseline_precision'])} | {fmt(judged['recall'])} | {fmt(judged['median_lead_steps'], 0)} |"
+            window = (
+                f"{row['fired']}, {fmt(row['precision'])} ({fmt(row['baseline_precision'])}; "
+                f"{fmt(row.get('matched_baseline_precision'))})"
             )
+            by_run = _run_cells(row["run_level"]) if "run_level" in row else " | ".join("-" * 7)
+            lines.append(f"| {kind} | {label}: {setting} | {window} | {by_run} |")
     lines += [
+        "",
+        "Per configuration: spike onsets after warmup and the runs they fell in; seed means of the final values.",
         "",
         "| configuration | final held-out loss | spike onsets | diverged | key HDI (final) | key chance | "
         "attention entropy (final; uniform) | max logit (final) | events |",
@@ -830,13 +901,24 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     for name, row in results["configurations"].items():
         lines.append(
-            f"| {name} | {fmt(row['final_held_out'], 3)} | {row['spike_onsets']} in {row['spiking_runs']} runs | "
+            f"| {name} | {fmt(row['final_held_out'], 3)} | {row['spike_onsets']} in {row['spiking_runs']} "
+            f"run{'' if row['spiking_runs'] == 1 else 's'} | "
             f"{row['diverged']} of "
             f"{row['seeds']} | {fmt(row['final_key_hdi'], 3)} | {fmt(row['key_chance'], 3)} | "
             f"{fmt(row['final_entropy'])}; {fmt(row['final_uniform'])} | {fmt(row['final_max_logit'], 1)} | "
             f"{row['events']} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _run_cells(rl: dict[str, Any]) -> str:
+    """The by-run cells of a table row."""
+    return (
+        f"{rl['runs_flagged']} of {rl['runs']} | {fmt(rl['precision'])} | {fmt(rl['baseline_precision'])} | "
+        f"{rl['healthy_runs_flagged']} of {rl['runs'] - rl['spiking_runs']} | "
+        f"{rl['flagged_before_any_spike']} of {rl['spiking_runs']} | {fmt(rl['recall'])} | "
+        f"{fmt(rl['median_lead_steps'], 0)}"
+    )
 
 
 def layer_final(run: Run, stat: str, reduce: Any) -> float | None:
@@ -957,8 +1039,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     series = results.pop("series")
     (args.out / "warnings_study.json").write_text(json.dumps(finite(results), indent=1, allow_nan=False))
-    with gzip.open(args.out / SERIES_FILE, "wt") as f:  # every run's recorded series, for --rescore
-        json.dump(finite(series), f, allow_nan=False, separators=(",", ":"))
+    data = json.dumps(finite(series), allow_nan=False, separators=(",", ":")).encode()
+    # every run's recorded series, for --rescore; mtime 0: the same runs give the same bytes
+    (args.out / SERIES_FILE).write_bytes(gzip.compress(data, mtime=0))
     plot(runs, args.out / "warnings_study.png")
     table = markdown(results)
     (args.out / "warnings_study.md").write_text(table)
@@ -997,6 +1080,7 @@ def train_all(args: argparse.Namespace, seeds: list[int], *, steps: int, every: 
 def score_runs(runs: list[Run], meta: dict[str, Any], *, window: int) -> dict[str, Any]:
     """The results file's contents: ``meta`` (command, seeds, steps, ...), per configuration and
     overall scores, the replayed detector grids, and every run's series."""
+    _STATES.clear()
     every = meta["every_n_steps"]
     warmup = WARMUP_MEASUREMENTS * every
     by_name = {c.name: c for c in CONFIGS}
@@ -1013,7 +1097,7 @@ def score_runs(runs: list[Run], meta: dict[str, Any], *, window: int) -> dict[st
             "final_key_hdi": _mean(keys),
             "key_chance": _mean([r.chance.get("key") for r in rs]),
             "events": sum(len(r.events) for r in rs),
-            "spike_onsets": sum(len(spike_onsets(r)) for r in rs),
+            "spike_onsets": sum(u >= WARMUP_MEASUREMENTS for r in rs for u in spike_onsets(r)),
             "spiking_runs": sum(any(u >= WARMUP_MEASUREMENTS for u in spike_onsets(r)) for r in rs),
             "final_entropy": _mean([layer_final(r, "entropy", statistics.fmean) for r in rs]),
             "final_uniform": _mean([layer_final(r, "uniform", statistics.fmean) for r in rs]),
@@ -1030,12 +1114,13 @@ def score_runs(runs: list[Run], meta: dict[str, Any], *, window: int) -> dict[st
         "spike_rel": SPIKE_REL,
         "min_scored": MIN_SCORED,
         "min_flagged_runs": MIN_FLAGGED_RUNS,
+        "min_lift": MIN_LIFT,
         "used_settings": used_settings(),
         "runs": len(runs),
         "configurations": configurations,
         "overall": summarize(runs, window=window, every=every, warmup=warmup),
         "detector_grid": grids,
-        "chosen": {kind: choose(rows) for kind, rows in grids.items()},
+        "chosen": choose_all(grids),
         "replay_check": replay_check(runs, every=every),
         "series": [asdict(r) for r in runs],
     }

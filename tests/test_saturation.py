@@ -137,15 +137,15 @@ def test_one_warning_class_whatever_the_import_path():
 
 
 def test_plateau_fires_after_warmup_plus_patience():
-    det = SaturationDetector()  # patience=10, warmup_steps=2000
+    det = SaturationDetector()  # patience=10, warmup_steps=1000
     events = feed(det, [0.731] * 40, chance=CHANCE)
-    # First counted measurement at step 2000; the window of patience + 1 = 11 is full at step 3000.
-    assert kinds(events) == [("saturation", 3000)]
+    # First counted measurement at step 1000; the window of patience + 1 = 11 is full at step 2000.
+    assert kinds(events) == [("saturation", 2000)]
     e = events[0]
     assert (e.layer, e.projection, e.metric, e.value, e.best, e.chance) == (LAYER, "key", "hdi", 0.731, 0.731, CHANCE)
     msg = e.message
     assert LAYER in msg and "(key)" in msg and "0.002" in msg and "10 measurements" in msg
-    assert "0.731" in msg and "0.923" in msg and "step 3000" in msg and "below the 0.923 chance level" in msg
+    assert "0.731" in msg and "0.923" in msg and "step 2000" in msg and "below the 0.923 chance level" in msg
     assert "\n" not in msg and msg.endswith(".")
 
 
@@ -556,6 +556,8 @@ def test_defaults_are_the_settings_the_warnings_study_chose():
     assert sat.warmup_steps == 100 * pick["saturation"]["warmup_measurements"] == ker.warmup_steps
     assert sat.collapse_delta == pick["collapse"]["collapse_delta"]
     assert ker.entropy_fraction == pick["entropy_collapse"]["entropy_fraction"]
+    assert pick["entropy_collapse"]["warmup_measurements"] == pick["logit_blowup"]["warmup_measurements"]
+    assert ker.warmup_steps == 100 * pick["entropy_collapse"]["warmup_measurements"]
     assert (ker.logit_threshold, ker.logit_growth) == (
         pick["logit_blowup"]["logit_threshold"],
         pick["logit_blowup"]["logit_growth"],

@@ -126,7 +126,7 @@ class HDIMonitor(Callback):
             queries per kernel call); layers whose kernel cannot be reached are named.
         detector: the early-warning detector of the HDI series (saturation, collapse, redundant
             pairs): a configured `SaturationDetector`, ``"default"`` (``SaturationDetector()``:
-            ``patience=10``, ``min_delta=0.002``, ``warmup_steps=2000``, ``collapse_delta=0.05``,
+            ``patience=10``, ``min_delta=0.002``, ``warmup_steps=1000``, ``collapse_delta=0.05``,
             ``redundancy_threshold=0.9``) or None (no early warnings). Each new run gets an
             untouched copy; the run's detector is `HDIMonitor.tracker`'s.
         activation_detector: the detector of the effective-heads series, in heads;

@@ -234,7 +234,7 @@ def resolve_detectors(
 
     * ``detector`` watches the HDI series. ``"default"`` is ``SaturationDetector()`` (the
       defaults of Lightning's EarlyStopping vocabulary: ``patience=10``, ``min_delta=0.002``,
-      ``warmup_steps=2000``, ...); None turns HDI early warnings off.
+      ``warmup_steps=1000``, ...); None turns HDI early warnings off.
     * ``activation_detector`` watches the effective-heads series (counted in heads) and redundant
       head pairs by output correlation. ``"default"`` derives it from the HDI detector: the same
       ``patience``, ``warmup_steps`` and ``redundancy_threshold``, with the thresholds in heads
