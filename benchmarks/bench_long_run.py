@@ -16,10 +16,13 @@ this one run:
 backend): graphs and graph breaks, and the time of unmeasured and measured steps, with and without
 the monitor.
 
-CPU; the full run takes about an hour on 2 shared cores (``--quick``: 1,200 measured steps, sizes at 600 and
-1,200). Writes benchmarks/results/long_run.md (``--quick`` writes long_run_quick.md).
+On the CPU the full run takes about an hour on 2 shared cores (``--quick``: 1,200 measured steps,
+sizes at 600 and 1,200; ``--steps N``: N measured steps, sizes at N/2 and N). ``--device cuda`` puts
+the model, its inputs and the drift on the GPU (the times are synchronised; the pictures are still
+drawn on the CPU worker); `benchmarks/gpu_check.sh` runs it that way. Writes
+benchmarks/results/long_run.md (``--quick``: long_run_quick.md; ``--out FILE``: there).
 
-    PYTHONPATH=. python benchmarks/bench_long_run.py [--quick] [--inductor]
+    PYTHONPATH=. python benchmarks/bench_long_run.py [--quick | --steps N] [--inductor] [--device cuda] [--out FILE]
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from hdi_monitor.monitor.config import MonitorConfig
 from hdi_monitor.monitor.tracker import HDITracker
 
 OUT = Path(__file__).parent / "results"
@@ -78,12 +82,18 @@ def _checkpoint_bytes(tracker: HDITracker) -> int:
     return buffer.tell()
 
 
-def long_run(steps: int, marks: tuple[int, int]) -> dict[str, Any]:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def long_run(steps: int, marks: tuple[int, int], device: torch.device, budget: int | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(D, HEADS, 2 * D, dropout=0.0, batch_first=True)
     model = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
     for block in model.layers:
         block.self_attn._reset_parameters()
+    model.to(device)
     sink = ByteSink()
     tracker = HDITracker(
         model,
@@ -92,27 +102,32 @@ def long_run(steps: int, marks: tuple[int, int]) -> dict[str, Any]:
         sinks=[sink],
         detector="default",
         activation_detector="default",
+        history_budget=MonitorConfig().history_budget if budget is None else budget,
     )
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(device=device).manual_seed(1)
     held_plain: list[float] = []
     held_image: list[float] = []
     sizes: dict[int, tuple[int, int]] = {}
     start_all = time.perf_counter()
     for step in range(steps):
-        x = torch.randn(2, 16, D, generator=g)
+        x = torch.randn(2, 16, D, generator=g, device=device)
+        _sync(device)
         t0 = time.perf_counter()
         tracker.begin(step, x)
+        _sync(device)
         t1 = time.perf_counter()
         with torch.no_grad():
             model(x)
         tracker.stop_capture()
+        _sync(device)
         t2 = time.perf_counter()
         tracker.finish()
+        _sync(device)
         t3 = time.perf_counter()
         (held_image if step % IMAGES_EVERY == 0 else held_plain).append((t1 - t0) + (t3 - t2))
         with torch.no_grad():  # synthetic training: the weights drift
             for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=g), alpha=1e-3)
+                p.add_(torch.randn(p.shape, generator=g, device=device), alpha=1e-3)
         if step + 1 in marks:
             sizes[step + 1] = (tracker.history.nbytes, _checkpoint_bytes(tracker))
     tracker.close()
@@ -151,21 +166,22 @@ class _Tiny(nn.Module):
         return self.encoder(x)
 
 
-def _inductor_run(monitor: bool, steps: int = 60, every: int = 10) -> dict[str, Any]:
+def _inductor_run(monitor: bool, device: torch.device, steps: int = 60, every: int = 10) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    net = _Tiny()
+    net = _Tiny().to(device)
     model = cast(nn.Module, torch.compile(net))
     tracker = HDITracker(model, every_n_steps=every, log_images_every_n_steps=0) if monitor else None
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(device=device).manual_seed(1)
     plain: list[float] = []
     measured: list[float] = []
     for step in range(steps):
-        x = torch.randn(8, 32, 32, generator=g)
+        x = torch.randn(8, 32, 32, generator=g, device=device)
+        _sync(device)
         t0 = time.perf_counter()
         if tracker is not None:
             with tracker.capture(x):
@@ -177,6 +193,7 @@ def _inductor_run(monitor: bool, steps: int = 60, every: int = 10) -> dict[str, 
             tracker.step()
         optimizer.step()
         optimizer.zero_grad()
+        _sync(device)
         elapsed = time.perf_counter() - t0
         if step >= 2:  # after compilation
             (measured if step % every == 0 else plain).append(elapsed)
@@ -192,32 +209,52 @@ def _inductor_run(monitor: bool, steps: int = 60, every: int = 10) -> dict[str, 
     }
 
 
-def inductor() -> dict[str, Any]:
-    without, with_ = _inductor_run(False), _inductor_run(True)
+def inductor(device: torch.device) -> dict[str, Any]:
+    without, with_ = _inductor_run(False, device), _inductor_run(True, device)
     same = all(torch.equal(a, b) for a, b in zip(without["weights"], with_["weights"], strict=True))
     return {"without": without, "with": with_, "bit_identical": same}
+
+
+def _machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (pictures on the CPU, {torch.get_num_threads()} threads)"
+    return f"CPU ({torch.get_num_threads()} threads)"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1,200 measured steps (sizes at 600 and 1,200)")
     parser.add_argument("--inductor", action="store_true", help="also measure one inductor-compiled run")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps (sizes at half and all of them)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--budget", type=int, default=None, help="history budget in rows (default: the library's)")
+    parser.add_argument("--out", type=Path, default=None, help="the results file (default: benchmarks/results/)")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible")
+    if args.steps is not None and args.steps < 2 * IMAGES_EVERY:
+        parser.error(f"--steps must be at least {2 * IMAGES_EVERY}")
     torch.set_num_threads(2)
-    steps, marks = (1200, (600, 1200)) if args.quick else (10_000, (1000, 10_000))
-    r = long_run(steps, marks)
+    if args.steps is not None:
+        steps, marks = args.steps, (args.steps // 2, args.steps)
+    else:
+        steps, marks = (1200, (600, 1200)) if args.quick else (10_000, (1000, 10_000))
+    r = long_run(steps, marks, device, args.budget)
     ratio_bytes = r["last_bytes"] / r["first_bytes"]
     ratio_held = r["held_image"] / r["held_plain"]
     (m1, (mem1, ck1)), (m2, (mem2, ck2)) = sorted(r["sizes"].items())
     mib = 1024 * 1024
+    # flat is only claimed once the history budget is full at both marks
+    full = f"n/a: the budget ({r['budget']} rows) is not full at {m1:,}" if m1 < r["budget"] else ""
     lines = [
         "# Long run",
         "",
-        f"`benchmarks/bench_long_run.py{' --quick' if args.quick else ''}`: a {LAYERS}-layer encoder (D = {D}, "
+        f"`benchmarks/bench_long_run.py {' '.join(sys.argv[1:])}`: a {LAYERS}-layer encoder (D = {D}, "
         f"{HEADS} heads of width {D // HEADS}, synthetic drifting weights) measured at every one of {steps:,} steps "
         f"by `HDITracker` (4 projections, head outputs of a 2 x 16-token batch, the default detectors, images every "
         f"{IMAGES_EVERY}th measured step drawn on the background worker), history budget {r['budget']} rows. "
-        f"CPU ({torch.get_num_threads()} threads), torch {torch.__version__}; {r['wall_s'] / 60:.1f} min in all.",
+        f"{_machine(device)}, torch {torch.__version__}; {r['wall_s'] / 60:.1f} min in all.",
         "",
         "| what | start | end | end / start | goal | met |",
         "|---|---:|---:|---:|---|---|",
@@ -225,10 +262,10 @@ def main() -> int:
         f"| {r['first_bytes'] / 1024:.1f} KiB | {r['last_bytes'] / 1024:.1f} KiB | {ratio_bytes:.2f} | <= 1.2 "
         f"| {'yes' if ratio_bytes <= 1.2 else 'no'} |",
         f"| history memory after {m1:,} / {m2:,} measurements | {mem1 / mib:.2f} MiB | {mem2 / mib:.2f} MiB "
-        f"| {mem2 / mem1:.2f} | flat, < 8 MiB | {'yes' if mem2 <= 1.01 * mem1 and mem2 < 8 * mib else 'no'} |",
+        f"| {mem2 / mem1:.2f} | flat, < 8 MiB | {full or ('yes' if mem2 <= 1.01 * mem1 and mem2 < 8 * mib else 'no')} |",
         f"| checkpoint (`state_dict`, torch.save) after {m1:,} / {m2:,} measurements | {ck1 / mib:.2f} MiB "
         f"| {ck2 / mib:.2f} MiB | {ck2 / ck1:.2f} | flat, < 8 MiB | "
-        f"{'yes' if ck2 <= 1.05 * ck1 and ck2 < 8 * mib else 'no'} |",
+        f"{full or ('yes' if ck2 <= 1.05 * ck1 and ck2 < 8 * mib else 'no')} |",
         "",
         "| what | measured | goal | met |",
         "|---|---:|---|---|",
@@ -249,7 +286,7 @@ def main() -> int:
     ]
     if args.inductor:
         try:
-            ind = inductor()
+            ind = inductor(device)
         except Exception as err:  # noqa: BLE001 - keep the long run's figures
             lines += ["## Inductor", "", f"Not measured: {type(err).__name__}: {err}", ""]
             ind = None
@@ -270,8 +307,9 @@ def main() -> int:
             "A measured step costs one extra eager forward of the original module (no grad) for the head outputs.",
             "",
         ]
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / ("long_run_quick.md" if args.quick else "long_run.md")).write_text("\n".join(lines))
+    out = args.out or OUT / ("long_run_quick.md" if args.quick else "long_run.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
     sys.stdout.write("\n".join(lines))
     return 0
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU check, under 8 minutes on one GPU (H100/H200 class), writing one results file.
+# One prepared GPU check, under 10 minutes on one GPU (H100/H200 class), writing one results file.
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root
 #   OUT=/some/dir bash benchmarks/gpu_check.sh
@@ -9,6 +9,11 @@
 #   2. bench_hdi_scale.py: 7B and 70B shapes, TF32 off and on                              (<= 160 s)
 #   3. bench_activations.py --device cuda: covariance cost per measured step               (<= 70 s)
 #   4. bench_overhead.py --accelerator gpu: training overhead of HDIMonitor                 (<= 100 s)
+#   5. bench_long_run.py --device cuda --steps 600 --budget 256 --inductor: bytes, history and checkpoint
+#      size, held time of image steps on the GPU; inductor on CUDA: graphs, graph breaks,
+#      bit-identical weights with and without the monitor                                 (<= 150 s)
+# The engine checks (tensor parallel, ZeRO-3, FSDP) run on the CPU with gloo in the tests; they are
+# not repeated here.
 # Results: $OUT/gpu_check.md if OUT is set, else benchmarks/results/gpu_check.md.
 # Environment: PYTHON (default: python), the interpreter with hdi-monitor's dev extra and a CUDA torch.
 # DRY_RUN=1 runs the same steps with CPU-sized arguments (no GPU needed), to check the script itself;
@@ -31,8 +36,10 @@ START=$(date +%s)
 DRY="${DRY_RUN:-0}"
 if [ "$DRY" = "1" ]; then
     DEV=cpu ACC=cpu SCALE="--small --tf32 off" TOKENS="1024" WIDE="--wide-tokens" ROUNDS="--rounds 1 --steps 60"
+    LONG="--steps 40"
 else
     DEV=cuda ACC=gpu SCALE="--tf32 both" TOKENS="1024 4096 16384" WIDE="" ROUNDS="--rounds 3 --steps 200"
+    LONG="--steps 600 --budget 256 --inductor"  # both size marks (300, 600) past the history budget
 fi
 if [ "$DRY" != "1" ] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "gpu_check: no CUDA device visible to $PY; nothing measured" | tee "$DEST"
@@ -92,6 +99,9 @@ step activations 70 "$PY" benchmarks/bench_activations.py --device "$DEV" --toke
 # 4. training overhead of HDIMonitor on the GPU
 # shellcheck disable=SC2086
 step overhead 100 "$PY" benchmarks/bench_overhead.py --accelerator "$ACC" $ROUNDS --out "$WORK/overhead.md"
+# 5. a long run through the real pipeline on the GPU, and inductor on CUDA (graphs, breaks, weights)
+# shellcheck disable=SC2086
+step long_run 150 "$PY" benchmarks/bench_long_run.py --device "$DEV" $LONG --out "$WORK/long_run.md"
 
 {
     echo

@@ -15,7 +15,7 @@ from typing import Any
 from hdi_monitor.exceptions import DiversityWarning
 from hdi_monitor.monitor.detector import DiversityEvent
 
-__all__ = ["summarize_events", "warn"]
+__all__ = ["dispatch_events", "summarize_events", "warn"]
 
 
 _INTERNAL_PACKAGES = (
