@@ -12,33 +12,42 @@ held-out batches (documents never seen in training). The script then asks of eve
   outcome it suggests: a held-out **plateau** after a saturation event (the held-out loss improves
   by less than ``PLATEAU_REL`` over the following window), a held-out **spike** (the loss rises
   ``SPIKE_REL`` above its best so far) or divergence (non-finite loss) after a collapse event;
-* the **baseline precision** of a detector that fires at random measured steps at the same rate:
-  the exact expectation, the outcome's frequency over every measured step the detector could have
-  fired at (after warmup), weighted by each run's number of events;
+* two baselines: a detector that fires at random measured steps after warmup as often (the
+  outcome's frequency over every measured step it could have fired at, weighted by each run's
+  number of scored events), and a **time-matched** one (the outcome rate at the same measured
+  steps in the other seeds of the same configuration: what knowing only when in training to fire
+  gets);
 * the **median lead** in steps from the event to the outcome, and the **recall**: the fraction of
   outcomes (plateau or spike onsets) that an event of the kind preceded within the window;
+* for the spike kinds, which fire once per series, the same **by run**: of the runs in which the
+  kind fired, the fraction that spiked after its first event, against the fraction of all runs that
+  spiked after warmup; the runs that never spiked among those flagged; the runs flagged before any
+  spike;
 * for redundancy events: the held-out loss increase when the flagged heads (the second head of each
   redundant pair) are zero-ablated at that step, against the same number of random heads of the
   same layers (``RANDOM_ABLATIONS`` draws of a private generator).
+
+An outcome window that runs past the end of a run is left out of every score (events and baselines
+alike).
 
 Configurations (D=64, 2 layers, byte-level, 64-token windows, batch 16; AdamW without weight
 decay, ``LR_WARMUP`` steps of linear learning-rate warmup, then constant): (a) ``baseline`` (4
 heads, lr 1e-2); (b) ``narrow_heads``: 32 heads of width 2; (c) ``wide_heads``: 2 heads of width
 32; (d) ``high_lr``: lr 6e-2 without QK-norm, which trains unstably (held-out spikes; the largest
-attention logit grows tenfold); (e) ``high_lr_qk_norm``: the same with QK-norm (LayerNorm on each
+attention logit grows by orders of magnitude); (e) ``high_lr_qk_norm``: the same with QK-norm (LayerNorm on each
 head's queries and keys), which trains smoothly; (f) ``shuffled``: the baseline on shuffled bytes
 (the same bytes, no structure).
 
 The runs use the detectors with the defaults from before this study (``RUN_HDI``, ``RUN_KERNEL``,
 pinned here), with ``warmup_steps`` scaled to ``WARMUP_MEASUREMENTS`` measurements (the old
-``warmup_steps=1000`` is ten measurements at one per 100 steps). Every detector setting is then replayed offline over the recorded series (each
-layer and the model mean, fed to a fresh `SaturationDetector` or `KernelDetector` exactly as the
-tracker fed them; ``replay_check`` in the results says the replay with the used settings gives
-exactly the live events) and scored the same way: ``patience`` x ``min_delta`` for saturation,
-``collapse_delta`` x warmup for HDI collapse, ``entropy_fraction`` for entropy collapse,
-``logit_threshold`` x ``logit_growth`` for logit blow-up. ``chosen`` names, per event kind, the
-setting with the largest lift of precision over the random baseline among those with at least
-``MIN_SCORED`` scored events (None when none beats the baseline).
+``warmup_steps=1000`` is ten measurements at one per 100 steps). Every detector setting is then
+replayed offline over the recorded series (each layer and the model mean, fed to a fresh
+`SaturationDetector` or `KernelDetector` exactly as the tracker fed them; ``replay_check`` in the
+results says the replay with the used settings gives exactly the live events) and scored the same
+way: ``patience`` x ``min_delta`` x warmup for saturation, ``collapse_delta`` x warmup for HDI
+collapse, ``entropy_fraction`` and ``logit_threshold`` x ``logit_growth`` at ``KERNEL_WARMUPS``
+for the kernel events. ``chosen`` names, per event kind, the setting with the largest lift of
+precision over its baseline if it exceeds ``MIN_LIFT`` (None otherwise; see `choose`).
 
 Runs are trained ``--jobs`` at a time (default 2), one CPU thread each; the results do not depend
 on ``--jobs``.
