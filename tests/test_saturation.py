@@ -546,8 +546,8 @@ def test_load_state_dict_errors_and_shrinking_patience():
 def test_defaults_are_the_settings_the_warnings_study_chose():
     """The detectors' defaults are the settings `benchmarks/warnings_study.py` chose (its results
     file, one measurement per 100 steps for the warmup); where the study chose none (no setting beat
-    the random baseline) the default is the one its runs used. A re-run of the study that chooses
-    differently fails here until the defaults (and docs/early-warnings.md) follow it."""
+    its baseline by the study's margin) the default is the one its runs used. A re-run of the study
+    that chooses differently fails here until the defaults (and docs/early-warnings.md) follow it."""
     results = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/warnings_study.json").read_text())
     chosen, used = results["chosen"], results["used_settings"]
     sat, ker = SaturationDetector(), KernelDetector()
