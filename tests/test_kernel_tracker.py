@@ -403,7 +403,7 @@ def test_lightning_training_bit_identical_with_kernel_stats_on_torch_mha(tmp_pat
     queries per kernel call): the run is the unmonitored run bit for bit, and every layer has
     kernel statistics over exactly 40 queries per head."""
     import lightning.pytorch as pl
-    from test_training_unchanged import DropoutLM, assert_same_run, data, global_state
+    from test_training_unchanged import DropoutLM, assert_same_run, data, run_record
 
     from hdi_monitor import HDIMonitor
 
@@ -417,13 +417,7 @@ def test_lightning_training_bit_identical_with_kernel_stats_on_torch_mha(tmp_pat
             enable_model_summary=False, log_every_n_steps=1,
         )  # fmt: skip
         trainer.fit(model, data())
-        return {
-            "state": {k: v.clone() for k, v in model.state_dict().items()},
-            "losses": model.losses,
-            "globals": global_state(),
-            "training_flags": [m.training for m in model.modules()],
-            "monitor": monitor,
-        }
+        return run_record(model, model.losses, monitor=monitor)
 
     without, with_ = run(False), run(True)
     last = with_["monitor"].tracker.last_measurement
@@ -449,7 +443,7 @@ def test_weights_only_step_has_no_kernel_values_and_no_note():
 def test_hf_trainer_bit_identical_with_kernel_stats(tmp_path):
     """HDITrainerCallback(kernel_stats=True) on BERT (sdpa, dropout on), 2 micro-batches per update:
     the run is the unmonitored run bit for bit; each kernel call gives 40 queries, so 80 per head."""
-    from test_training_unchanged import TokenDataset, assert_same_run, global_state
+    from test_training_unchanged import TokenDataset, assert_same_run, run_record
 
     from hdi_monitor.integrations import HDITrainerCallback
 
@@ -472,13 +466,9 @@ def test_hf_trainer_bit_identical_with_kernel_stats(tmp_path):
             model=model, args=args, train_dataset=TokenDataset(), callbacks=[monitor] if monitored else []
         )
         trainer.train()
-        return {
-            "state": {k: v.clone() for k, v in model.state_dict().items()},
-            "losses": [torch.tensor(h["loss"]) for h in trainer.state.log_history if "loss" in h],
-            "globals": global_state(),
-            "training_flags": [m.training for m in model.modules()],
-            "monitor": monitor,
-        }
+        return run_record(
+            model, [torch.tensor(h["loss"]) for h in trainer.state.log_history if "loss" in h], monitor=monitor
+        )
 
     without, with_ = run(False), run(True)
     last = with_["monitor"].tracker.last_measurement

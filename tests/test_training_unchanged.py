@@ -77,6 +77,18 @@ def global_state() -> dict:
     }
 
 
+def run_record(model: torch.nn.Module, losses: list, **extra: object) -> dict:
+    """What `assert_same_run` compares of a finished run: the weights, the losses, the process's
+    global state and every module's training flag (plus ``extra``, e.g. the monitor)."""
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "losses": losses,
+        "globals": global_state(),
+        "training_flags": [m.training for m in model.modules()],
+        **extra,
+    }
+
+
 def assert_same_run(a: dict, b: dict) -> None:
     assert a["state"].keys() == b["state"].keys()
     for key in a["state"]:
@@ -104,13 +116,7 @@ def lightning_run(tmp_path: Path, monitored: bool, accumulate: int = 1) -> dict:
         log_every_n_steps=1,
     )
     trainer.fit(model, data())
-    return {
-        "state": {k: v.clone() for k, v in model.state_dict().items()},
-        "losses": model.losses,
-        "globals": global_state(),
-        "training_flags": [m.training for m in model.modules()],
-        "monitor": monitor,
-    }
+    return run_record(model, model.losses, monitor=monitor)
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -150,13 +156,7 @@ def plain_run(monitored: bool, steps: int = 6, device: str = "cpu") -> dict:
         optimizer.step()
         optimizer.zero_grad()
     tracker.close()
-    return {
-        "state": {k: v.clone() for k, v in model.state_dict().items()},
-        "losses": losses,
-        "globals": global_state(),
-        "training_flags": [m.training for m in model.modules()],
-        "tracker": tracker,
-    }
+    return run_record(model, losses, tracker=tracker)
 
 
 def test_plain_loop_training_is_bit_identical_with_the_tracker():
@@ -263,13 +263,9 @@ def hf_run(tmp_path: Path, monitored: bool) -> dict:
         model=model, args=args, train_dataset=TokenDataset(), callbacks=[monitor] if monitored else []
     )
     trainer.train()
-    return {
-        "state": {k: v.clone() for k, v in model.state_dict().items()},
-        "losses": [torch.tensor(h["loss"]) for h in trainer.state.log_history if "loss" in h],
-        "globals": global_state(),
-        "training_flags": [m.training for m in model.modules()],
-        "monitor": monitor,
-    }
+    return run_record(
+        model, [torch.tensor(h["loss"]) for h in trainer.state.log_history if "loss" in h], monitor=monitor
+    )
 
 
 def test_hf_trainer_training_is_bit_identical_with_the_callback(tmp_path):
