@@ -255,6 +255,13 @@ def test_an_output_projection_called_as_f_linear_is_named_once():
     assert plain.last_token_counts == [2 * T, 2 * T]
 
 
+def _masked_spec(modules: str) -> AttentionSpec:
+    """`Net`'s attention blocks matching ``modules``, with the batch's ``attention_mask`` as mask."""
+    return AttentionSpec(
+        modules=modules, query="q_proj", key="k_proj", value="v_proj", output="out_proj", mask_key="attention_mask"
+    )
+
+
 def test_fewer_than_two_real_tokens_is_said():
     class Masked(nn.Module):
         def __init__(self) -> None:
@@ -267,14 +274,7 @@ def test_fewer_than_two_real_tokens_is_said():
 
     torch.manual_seed(0)
     model = Masked()
-    spec = AttentionSpec(
-        modules=r"blocks\.0$",
-        query="q_proj",
-        key="k_proj",
-        value="v_proj",
-        output="out_proj",
-        mask_key="attention_mask",
-    )
+    spec = _masked_spec(r"blocks\.0$")
     tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=0, strict=True, spec=spec)
     ids = torch.randint(0, VOCAB, (2, T))
     mask = torch.zeros(2, T, dtype=torch.long)
@@ -305,14 +305,7 @@ def test_a_mask_that_does_not_fit_the_hooked_tokens_is_said_once_per_layer():
 
     torch.manual_seed(0)
     model = Prepends()
-    spec = AttentionSpec(
-        modules=r"blocks\.\d+$",
-        query="q_proj",
-        key="k_proj",
-        value="v_proj",
-        output="out_proj",
-        mask_key="attention_mask",
-    )
+    spec = _masked_spec(r"blocks\.\d+$")
     tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=0, strict=True, spec=spec)
     ids = torch.randint(0, VOCAB, (2, T))
     batch = {"input_ids": ids, "attention_mask": torch.ones(2, T, dtype=torch.long)}
