@@ -245,8 +245,8 @@ def covariance_metrics(covariance: Tensor, num_tokens: int = 0) -> HeadCovarianc
 def subsample_mask(keep: Tensor, max_tokens: int, generator: torch.Generator | None = None) -> Tensor:
     """Choose at most ``max_tokens`` of the kept tokens, uniformly at random without replacement.
 
-    This is the selection `HeadCovarianceAccumulator.update` makes; it draws exactly one
-    ``torch.randperm(keep.numel())`` from ``generator`` (without one, from a fresh private
+    This is the selection `HeadCovarianceAccumulator.update` makes; it draws exactly one random
+    permutation of the ``keep.numel()`` tokens from ``generator`` (without one, from a fresh private
     generator seeded with 0: the global random generators are never drawn from, so subsampling
     inside a training step shifts no dropout mask), and a generator seeded the same way reproduces
     the accumulator's choice. No host sync:
@@ -284,7 +284,7 @@ def budget_mask(keep: Tensor, left: Tensor | int, generator: torch.Generator | N
     """Choose at most ``left`` of the kept tokens, uniformly at random without replacement, with
     ``left`` a tensor on the device (no host sync).
 
-    Draws one ``torch.randperm(keep.numel())`` from ``generator`` (None: a private CPU generator
+    Draws one random permutation of the ``keep.numel()`` tokens from ``generator`` (None: a private CPU generator
     seeded with 0), like `subsample_mask`, and makes the same choice as ``subsample_mask(keep,
     left)`` for the same generator state: the kept tokens with the ``left`` best random ranks.
 

@@ -479,8 +479,9 @@ def attention_kernel_stats(
 
     Example:
         ```python
-        q = torch.randn(2, 8, 16, 32)   # (batch, heads, queries, d)
-        k = torch.randn(2, 2, 16, 32)   # two key heads: grouped-query attention
+        g = torch.Generator().manual_seed(0)      # a private generator: no global draw
+        q = torch.randn(2, 8, 16, 32, generator=g)  # (batch, heads, queries, d)
+        k = torch.randn(2, 2, 16, 32, generator=g)  # two key heads: grouped-query attention
         res = attention_kernel_stats(q, k, is_causal=True)
         res.entropy, res.uniform_entropy, res.max_logit  # (8,) each, float64
         ```
