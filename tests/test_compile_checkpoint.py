@@ -506,3 +506,50 @@ def test_layers_compiled_one_by_one_with_a_kv_cache_train_bit_identically():
     assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights, strict=True))
     assert tracker.history.steps == [0, 2]
     assert all(row["effective_heads/mean"] > 0 for row in tracker.history)
+
+
+class EvalFailsNet(SpecNet):
+    """A SpecNet whose forward raises in eval mode only: the side forward of a measured step (eval
+    mode, no grad) fails while the compiled training forward (train mode) runs."""
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        if not self.training:
+            raise RuntimeError("no eval forward here")
+        return super().forward(tokens)
+
+
+def _failing_side_forward_run(monitor: bool, strict: bool = False) -> tuple[list[Tensor], list[str], HDITracker | None]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.compile(EvalFailsNet(), backend="eager")
+    tracker = HDITracker(model, every_n_steps=EVERY, spec=SPEC, strict=strict) if monitor else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches():
+            with tracker.capture(x) if tracker is not None else contextlib.nullcontext():
+                loss = F.cross_entropy(model(x).reshape(-1, 128), y.reshape(-1))
+            loss.backward()
+            if tracker is not None:
+                tracker.step()
+            optimizer.step()
+            optimizer.zero_grad()
+    torch._dynamo.reset()
+    messages = [str(w.message) for w in caught if issubclass(w.category, MonitoringWarning)]
+    return [p.detach().clone() for p in model.parameters()], messages, tracker
+
+
+def test_a_failing_side_forward_skips_the_measurement_and_never_the_training():
+    """The side forward of a compiled model raises on every measured step: each measured step gives
+    one MonitoringWarning naming the error and is skipped; the training runs, bit-identical to the
+    run without the monitor. With strict=True the error reaches the caller."""
+    plain, _, _ = _failing_side_forward_run(False)
+    weights, messages, tracker = _failing_side_forward_run(True)
+    for a, b in zip(weights, plain, strict=True):
+        assert torch.equal(a, b)
+    failures = [m for m in messages if "error while capturing head outputs" in m]
+    assert len(failures) == len(MEASURED)
+    assert all("no eval forward here" in m for m in failures)
+    assert tracker is not None and len(tracker.history) == 0
+    with pytest.raises(RuntimeError, match="no eval forward here"):
+        _failing_side_forward_run(True, strict=True)

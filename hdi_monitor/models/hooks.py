@@ -22,9 +22,11 @@ from torch import Tensor, nn
 from hdi_monitor.exceptions import MonitoringWarning
 from hdi_monitor.functional.covariance import HeadCovarianceAccumulator
 from hdi_monitor.models import AttentionLayer
+from hdi_monitor.models.kernel_capture import KernelStatsCapture
 
 __all__ = [
     "CallCounts",
+    "attach_capture",
     "attach_output_hooks",
     "batch_mask",
     "call_model",
@@ -170,6 +172,43 @@ def attach_output_hooks(
         for handle in handles:
             handle.remove()
         raise
+    return handles
+
+
+class _Entered:
+    """Keeps a `KernelStatsCapture` entered until ``remove()`` (the hook-handle protocol)."""
+
+    def __init__(self, capture: KernelStatsCapture) -> None:
+        self.capture: KernelStatsCapture | None = capture
+        capture.__enter__()
+
+    def remove(self) -> None:
+        capture, self.capture = self.capture, None
+        if capture is not None:
+            capture.__exit__(None, None, None)
+
+
+def attach_capture(
+    layers: Sequence[AttentionLayer],
+    accumulators: Sequence[HeadCovarianceAccumulator | None],
+    batch: Any = None,
+    kernel: KernelStatsCapture | None = None,
+    on_error: Callable[[Exception], None] | None = None,
+    counts: CallCounts | None = None,
+) -> list[Any]:
+    """Everything one measured forward pass captures: the head-output hooks of `attach_output_hooks`
+    and, with ``kernel``, that kernel-statistics capture entered with the batch's query mask (see
+    `query_mask`). Returns handles to ``.remove()``; on an error, those already attached are removed."""
+    handles = attach_output_hooks(layers, accumulators, batch, on_error=on_error, counts=counts)
+    if kernel is not None:
+        try:
+            mask = query_mask(batch, layers)
+            kernel.set_query_mask(mask)
+            handles.append(_Entered(kernel))
+        except BaseException:
+            for handle in handles:
+                handle.remove()
+            raise
     return handles
 
 

@@ -43,7 +43,7 @@ from torch import nn
 
 from hdi_monitor.models.hooks import eval_mode
 
-__all__ = ["CompiledUnit", "called_through", "compiled_units", "intercept", "side_forward"]
+__all__ = ["CompiledUnit", "called_through", "capture_side_forward", "compiled_units", "intercept", "side_forward"]
 
 # model -> the compiled wrapper it is called through, for wrappers made outside the model (see
 # `called_through`); weak keys: a model that is gone takes its entry with it
@@ -160,6 +160,29 @@ def side_forward(unit: CompiledUnit, args: tuple[Any, ...], kwargs: dict[str, An
             unit.original._call_impl(*args, **kwargs)  # the eager call, not _compiled_call_impl
         else:
             unit.original(*args, **kwargs)
+
+
+def capture_side_forward(
+    unit: CompiledUnit,
+    attach: Callable[[Any], list[Any]],
+    batch: Any,
+    on_error: Callable[[Exception], None],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    """The ``on_call`` of `intercept` on a measured step: ``attach(source)`` puts the capture's
+    hooks on (``source``: the call's keyword arguments, where a mask passed as a keyword is found,
+    else the step's ``batch``), the `side_forward` runs, the hooks come off. An error goes to
+    ``on_error``, never into the training forward."""
+    try:
+        handles = attach(kwargs if kwargs else batch)
+        try:
+            side_forward(unit, args, kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+    except Exception as err:  # noqa: BLE001 - never into the training forward
+        on_error(err)
 
 
 class _Restore:

@@ -73,12 +73,11 @@ from hdi_monitor.functional.kernel import KernelStatsAccumulator, compute_kernel
 from hdi_monitor.models import AttentionLayer, find_attention_layers
 from hdi_monitor.models.hooks import (
     CallCounts,
-    attach_output_hooks,
+    attach_capture,
     call_model,
     eval_mode,
     iter_batches,
     output_accumulator,
-    query_mask,
 )
 from hdi_monitor.models.kernel_capture import KernelStatsCapture
 from hdi_monitor.models.sharding import is_fsdp1_module
@@ -93,7 +92,7 @@ from hdi_monitor.monitor._layers import (
     submodule,
 )
 from hdi_monitor.monitor._warnings import dispatch_events, warn
-from hdi_monitor.monitor.compiled import CompiledUnit, compiled_units, intercept, side_forward
+from hdi_monitor.monitor.compiled import CompiledUnit, capture_side_forward, compiled_units, intercept
 from hdi_monitor.monitor.config import (
     ACTIVATION_COLLAPSE_DELTA,
     ACTIVATION_MIN_DELTA,
@@ -136,19 +135,6 @@ class _Pending:
     kernel: KernelStatsCapture | None = None  # kernel statistics of this step (kernel_stats on)
     kernel_accumulators: list[KernelStatsAccumulator] = field(default_factory=list)  # one per layer, in order
     kernel_off: dict[str, str] = field(default_factory=dict)  # layer -> why the tracker did not capture it
-
-
-class _KernelHandle:
-    """Keeps a `KernelStatsCapture` entered until ``remove()`` (the tracker's handle protocol)."""
-
-    def __init__(self, capture: KernelStatsCapture) -> None:
-        self.capture: KernelStatsCapture | None = capture
-        capture.__enter__()
-
-    def remove(self) -> None:
-        capture, self.capture = self.capture, None
-        if capture is not None:
-            capture.__exit__(None, None, None)
 
 
 class HDITracker:
@@ -637,62 +623,40 @@ class HDITracker:
 
     def _attach(self, batch: Any) -> None:
         """Hooks for this forward: plain hooks on the layers outside compiled parts; for each
-        compiled part, an eager interception that runs a side forward (see
-        `hdi_monitor.monitor.compiled`)."""
+        compiled part, an eager interception that runs a side forward with its layers' hooks on
+        (see `hdi_monitor.monitor.compiled`)."""
         pending = self._pending
         kernel = pending.kernel if pending is not None else None
         if pending is None or not (self.activations or kernel is not None):
             return
-        layers = self.layers
+        layers, accs, on_error, counts = self.layers, pending.accumulators, self._hook_failed, pending.counts
         # the compiled unit (index into self._units) each layer lies in, or None
         unit_of = [next((k for k, u in enumerate(self._units) if u.contains(la.name)), None) for la in layers]
         plain = [i for i, k in enumerate(unit_of) if k is None]
-        inside = {k: [i for i, u in enumerate(unit_of) if u == k] for k in dict.fromkeys(unit_of) if k is not None}
-        if (
-            kernel is not None and not self._units and len(pending.kernel_off) < len(layers)
-        ):  # never around a compiled call
-            kernel.set_query_mask(query_mask(batch, layers))
-            self._handles += [_KernelHandle(kernel)]
-        if plain and self.activations:
-            self._handles += attach_output_hooks(
+        # the kernel capture is never put around a compiled call
+        watched = kernel if not self._units and len(pending.kernel_off) < len(layers) else None
+        if plain:
+            self._handles += attach_capture(
                 [layers[i] for i in plain],
-                [pending.accumulators[i] for i in plain],
+                [accs[i] for i in plain],
                 batch,
-                on_error=self._hook_failed,
-                counts=pending.counts,
+                kernel=watched,
+                on_error=on_error,
+                counts=counts,
             )
-        for k, members in inside.items():
-            compiled = self._units[k]
-            self._handles += [intercept(compiled, partial(self._side_forward, compiled, members, batch))]
-
-    def _side_forward(
-        self, unit: CompiledUnit, members: list[int], batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        """Runs eagerly before a compiled call of ``unit``: its original module's forward on the
-        same arguments, with the head-output hooks of its layers on only meanwhile."""
-        pending = self._pending
-        if pending is None:
-            return
-        try:
-            handles: list[Any] = []
-            if self.activations:
-                handles = attach_output_hooks(
-                    [self.layers[i] for i in members],
-                    [pending.accumulators[i] for i in members],
-                    kwargs if kwargs else batch,  # a mask passed as a keyword argument is used
-                    on_error=self._hook_failed,
-                    counts=pending.counts,
-                )
-            if pending.kernel is not None:  # the side forward is eager: the kernel capture is safe here
-                pending.kernel.set_query_mask(query_mask(kwargs if kwargs else batch, self.layers))
-                handles.append(_KernelHandle(pending.kernel))
-            try:
-                side_forward(unit, args, kwargs)
-            finally:
-                for handle in handles:
-                    handle.remove()
-        except Exception as err:  # noqa: BLE001 - never into the training forward
-            self._hook_failed(err)
+        for k in dict.fromkeys(u for u in unit_of if u is not None):
+            members = [i for i, u in enumerate(unit_of) if u == k]
+            # the side forward is eager: the kernel capture is safe there
+            attach = partial(
+                attach_capture,
+                [layers[i] for i in members],
+                [accs[i] for i in members],
+                kernel=kernel,
+                on_error=on_error,
+                counts=counts,
+            )
+            unit = self._units[k]
+            self._handles += [intercept(unit, partial(capture_side_forward, unit, attach, batch, on_error))]
 
     def _hook_failed(self, err: Exception) -> None:
         """A head-output hook raised inside the forward pass: drop this measurement (in ``finish``
