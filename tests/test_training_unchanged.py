@@ -133,11 +133,23 @@ def test_lightning_training_is_bit_identical_with_the_monitor(tmp_path, accumula
     assert_same_run(without, with_)
 
 
-def plain_run(monitored: bool, steps: int = 6, device: str = "cpu") -> dict:
+def plain_run(
+    monitored: bool, steps: int = 6, device: str = "cpu", parametrization: str | None = None, kernel_stats: bool = False
+) -> dict:
     torch.manual_seed(0)
     model = DropoutEncoder().to(device)
+    if parametrization is not None:  # on the packed in_proj_weight of every nn.MultiheadAttention
+        for layer in model.encoder.layers:
+            getattr(nn.utils.parametrizations, parametrization)(layer.self_attn, name="in_proj_weight")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tracker = HDITracker(model, every_n_steps=2, max_tokens=MAX_TOKENS, log_images_every_n_steps=2, strict=True)
+    tracker = HDITracker(
+        model,
+        every_n_steps=2,
+        max_tokens=MAX_TOKENS,
+        log_images_every_n_steps=2,
+        kernel_stats=kernel_stats,
+        strict=True,
+    )
     losses = []
     for x, y in data():
         if len(losses) == steps:
@@ -165,6 +177,22 @@ def test_plain_loop_training_is_bit_identical_with_the_tracker():
     with_ = plain_run(monitored=True)
     assert len(with_["tracker"].history) == 3
     assert with_["tracker"].last_token_counts == [MAX_TOKENS, MAX_TOKENS]
+    assert_same_run(without, with_)
+
+
+@pytest.mark.parametrize("kernel_stats", [False, True])
+@pytest.mark.parametrize("parametrization", ["spectral_norm", "orthogonal", "weight_norm"])
+def test_parametrized_mha_in_proj_trains_bit_identically(parametrization, kernel_stats):
+    """Issue 23, item 1, on nn.MultiheadAttention: a parametrization on the packed
+    ``in_proj_weight`` is read inside the training forward (the head-output hook and the kernel
+    capture recompute q/k/v from it), and the MHA forward reads it once per fast-path check:
+    spectral_norm's power iteration must advance exactly as often as without the monitor."""
+    without = plain_run(monitored=False, parametrization=parametrization)
+    with_ = plain_run(monitored=True, parametrization=parametrization, kernel_stats=kernel_stats)
+    tracker = with_["tracker"]
+    assert [int(row["step"]) for row in tracker.history] == [0, 2, 4]
+    assert tracker.last_token_counts == [MAX_TOKENS, MAX_TOKENS]  # the head-output hooks ran
+    assert ("attention_entropy/mean" in tracker.history[-1]) == kernel_stats
     assert_same_run(without, with_)
 
 

@@ -269,7 +269,7 @@ class KernelCapture:
             h2 = mod.register_forward_hook(post, with_kwargs=True, always_call=True)
             self._undo.append(h1.remove)
             self._undo.append(h2.remove)
-            if is_mha:
+            if is_mha and not mod.training:  # see hdi_monitor.models.torch_mha: never in training mode
                 _hold_fastpath_off()
                 self._undo.append(_release_fastpath)
 

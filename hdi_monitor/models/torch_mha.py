@@ -10,8 +10,12 @@ Head outputs: ``nn.MultiheadAttention`` calls ``F.linear`` on ``out_proj``'s wei
 hook on ``out_proj`` never fires (pytorch #78109). The output hook therefore captures the MHA
 forward's inputs and recomputes the per-head outputs for that batch under ``no_grad`` (attention
 dropout is not applied: the statistics describe the dropout-free outputs). While any such hook is
-attached the MHA "fast path" (``torch.backends.mha``) is switched off, because the fused kernels of
-``nn.TransformerEncoder`` bypass the MHA module's forward and would never run the hook.
+attached to a module in eval mode, the MHA "fast path" (``torch.backends.mha``) is switched off,
+because the fused kernels of ``nn.TransformerEncoder`` bypass the MHA module's forward and would
+never run the hook. A module in training mode never takes the fast path, so the flag is left alone
+there: switching it off would also skip the forward's own fast-path checks, which read
+``in_proj_weight``, and under ``spectral_norm`` each read advances the power iteration (training
+would change).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from hdi_monitor.models._parametrize import preserved_parametrizations
 from hdi_monitor.models.base import (
     Adapter,
     AdapterMismatch,
@@ -73,18 +78,22 @@ def _release_fastpath() -> None:
 
 
 def _qkv_weights(mha: nn.MultiheadAttention) -> tuple[Tensor, Tensor, Tensor]:
-    """Gathered ``(E, E)``, ``(E, kdim)``, ``(E, vdim)`` input-projection weights."""
-    if mha._qkv_same_embed_dim:
-        w = full_weight(mha.in_proj_weight)
-        e = mha.embed_dim
-        return w[:e], w[e : 2 * e], w[2 * e :]
-    return full_weight(mha.q_proj_weight), full_weight(mha.k_proj_weight), full_weight(mha.v_proj_weight)
+    """Gathered ``(E, E)``, ``(E, kdim)``, ``(E, vdim)`` input-projection weights. A parametrized
+    weight (``spectral_norm`` on ``in_proj_weight``, say) is the one the next forward computes, and
+    the read leaves the parametrization's state as it was (this runs inside the training forward)."""
+    with preserved_parametrizations(mha):
+        if mha._qkv_same_embed_dim:
+            w = full_weight(mha.in_proj_weight)
+            e = mha.embed_dim
+            return w[:e], w[e : 2 * e], w[2 * e :]
+        return full_weight(mha.q_proj_weight), full_weight(mha.k_proj_weight), full_weight(mha.v_proj_weight)
 
 
 def _qkv_biases(mha: nn.MultiheadAttention) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     if mha.in_proj_bias is None:
         return None, None, None
-    b = full_weight(mha.in_proj_bias)
+    with preserved_parametrizations(mha):
+        b = full_weight(mha.in_proj_bias)
     e = mha.embed_dim
     return b[:e], b[e : 2 * e], b[2 * e :]
 
@@ -229,6 +238,8 @@ class MHALayer(AttentionLayer):
             fn(o, keep)
 
         handle = mha.register_forward_pre_hook(guarded(pre_hook, on_error), with_kwargs=True)
+        if mha.training:  # no fast path in training mode: the flag (and the forward's reads) stay as they are
+            return HookHandle(handle)
         _hold_fastpath_off()
         return HookHandle(handle, on_remove=_release_fastpath)
 
