@@ -49,6 +49,8 @@ Projection = Literal["query", "key", "value", "output"]
 #: A progress hook: called with the number of work units just done (``tqdm.update`` fits).
 Progress = Callable[[int], Any]
 
+#: The key of ``LayerDiversity.invalid_heads`` for the heads dead in the head outputs (activations).
+ACTIVATIONS = "activations"
 _ACTIVATION_FIELDS = ("effective_heads", "mean_correlation", "variance_ratio", "num_tokens")
 _KERNEL_FIELDS = ("attention_entropy", "attention_entropy_uniform", "max_attention_logit", "kernel_queries")
 
@@ -62,7 +64,9 @@ class LayerDiversity:
     projection's own input width (``kdim`` for keys of a cross-attention with ``kdim != D``).
     ``overlap`` holds CPU float32 ``(heads, heads)`` matrices with NaN rows/columns for invalid
     (all-zero or non-finite) heads. The activation fields are filled only when the report was made
-    with ``inputs``. ``angles`` (filled only when asked for, see `compute_report`) holds, per
+    with ``inputs``; ``invalid_heads["activations"]`` then lists the heads whose contribution to the
+    layer output had zero variance (dead heads: left out of ``effective_heads``, which is over the
+    live heads). ``angles`` (filled only when asked for, see `compute_report`) holds, per
     projection, the principal angles in degrees of every valid head pair ``i < j`` (CPU float32,
     flattened), computed from the same weight read as the overlaps.
 
@@ -512,6 +516,7 @@ def _add_activation_stats(
         res.mean_correlation = float(stats.mean_correlation)
         res.variance_ratio = float(stats.variance_ratio)
         res.num_tokens = int(stats.num_tokens)
+        res.invalid_heads[ACTIVATIONS] = list(stats.invalid_heads)
 
 
 def head_diversity(

@@ -365,3 +365,91 @@ def test_all_heads_nan_still_logs_what_is_wrong():
             assert f"hdi/{p}/{layer}" not in last
     notes = _monitoring_warnings(caught)
     assert len(notes) == 1 and notes[0].count("are dead (all zero) or non-finite") == 8
+
+
+class GatedAttention(nn.Module):
+    """Self-attention whose head outputs are scaled by a fixed per-head gate (0 = a dead head whose
+    weights are all nonzero: dead in the head outputs only)."""
+
+    def __init__(self, gate: list[float], d_model: int = 16, num_heads: int = 4) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, d_model // num_heads
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d_model, d_model) for _ in range(4))
+        self.register_buffer("gate", torch.tensor(gate))
+
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated per-head outputs ``(B, H, T, d)``."""
+        q, k, v = (
+            rearrange(p(x), "b t (h d) -> b h t d", h=self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v) * self.gate[None, :, None, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(rearrange(self.heads(x), "b h t d -> b t (h d)"))
+
+
+class GatedNet(nn.Module):
+    def __init__(self, gate: list[float]) -> None:
+        super().__init__()
+        self.attn = GatedAttention(gate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x)
+
+
+def _effective_heads_over_live(attn: GatedAttention, x: torch.Tensor, live: list[int]) -> float:
+    """Brute force in float64: each live head's contribution ``o_h W_O,h^T`` over all tokens, its
+    covariance C, then ``H_live / (sum_ij C_ij / sum_i C_ii)``."""
+    with torch.no_grad():
+        o = attn.heads(x).double()  # (B, H, T, d)
+        w = attn.out_proj.weight.double()  # (D, H d)
+        d = attn.head_dim
+        contrib = torch.stack([o[:, h].reshape(-1, d) @ w[:, h * d : (h + 1) * d].T for h in live])  # (L, N, D)
+        centred = contrib - contrib.mean(dim=1, keepdim=True)
+        cov = torch.einsum("ind,jnd->ij", centred, centred)
+    return float(len(live) / (cov.sum() / cov.diagonal().sum()))
+
+
+def test_a_head_dead_in_its_outputs_only_is_counted_reported_and_left_out_of_effective_heads():
+    """Issue 23, item 2: a head gated to zero (its weights are not zero, so the weight checks see a
+    live head) contributes nothing: it is counted under invalid_heads/activations on every measured
+    step, named once in the step's note, and H_eff is over the 3 live heads (brute force). A healthy
+    model logs 0 there and no per-layer chart."""
+    torch.manual_seed(0)
+    model = GatedNet([1.0, 1.0, 1.0, 0.0])
+    x = torch.randn(4, 30, 16)
+    tracker = HDITracker(model, every_n_steps=1, max_tokens=None, strict=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with tracker.capture(x):
+                model(x)
+            tracker.step()
+    notes = [str(w.message) for w in caught if "contributed nothing" in str(w.message)]
+    assert len(notes) == 1
+    assert (
+        "attn (head outputs): head(s) [3] contributed nothing to the layer output (zero variance over 120 tokens); "
+        "effective heads are over the 3 live head(s) of 4 (scalar invalid_heads/activations/attn)"
+    ) in notes[0]
+    expected = _effective_heads_over_live(model.attn, x, [0, 1, 2])
+    assert 2.0 < expected < 3.0
+    for row in tracker.history:
+        assert row["invalid_heads/activations/attn"] == 1.0
+        assert row["invalid_heads/activations"] == 1.0
+        assert row["invalid_heads/value"] == 0.0  # the weights are alive
+        assert row["effective_heads/attn"] == pytest.approx(expected, rel=1e-5)
+    report = head_diversity(model, inputs=x)
+    assert report.layers[0].invalid_heads["activations"] == [3]
+    assert report.layers[0].effective_heads == pytest.approx(expected, rel=1e-5)
+
+    healthy = GatedNet([1.0, 1.0, 1.0, 1.0])
+    tracker = HDITracker(healthy, every_n_steps=1, max_tokens=None, strict=True)
+    with tracker.capture(x):
+        healthy(x)
+    tracker.step()
+    row = tracker.history[-1]
+    assert row["invalid_heads/activations"] == 0.0
+    assert "invalid_heads/activations/attn" not in row
+    assert row["effective_heads/attn"] == pytest.approx(
+        _effective_heads_over_live(healthy.attn, x, [0, 1, 2, 3]), rel=1e-5
+    )

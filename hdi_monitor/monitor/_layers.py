@@ -65,13 +65,22 @@ def naming_hint(model: nn.Module, limit: int = 10) -> str:
 
 def invalid_head_notes(report: DiversityReport, projections: Sequence[str], seen: set[tuple[str, str]]) -> list[str]:
     """One note the first time a layer and projection has dead (all-zero) or non-finite heads
-    (``seen`` remembers the pairs already noted, and is updated)."""
+    (``seen`` remembers the pairs already noted, and is updated). The projection ``"activations"``
+    is the head outputs: heads whose contribution to the layer output had zero variance."""
     notes = []
     for layer in report.layers:
         for projection in projections:
             bad = layer.invalid_heads.get(projection) or []
             if bad and (layer.name, projection) not in seen:
                 seen.add((layer.name, projection))
+                if projection == "activations":
+                    notes.append(
+                        f"{layer.name} (head outputs): head(s) {bad} contributed nothing to the layer output "
+                        f"(zero variance over {layer.num_tokens} tokens); effective heads are over the "
+                        f"{layer.num_heads - len(bad)} live head(s) of {layer.num_heads} "
+                        f"(scalar invalid_heads/activations/{layer_tag(layer.name)})"
+                    )
+                    continue
                 total = layer.num_kv_heads if projection in ("key", "value") else layer.num_heads
                 notes.append(
                     f"{layer.name} ({projection}): head(s) {bad} are dead (all zero) or non-finite; "

@@ -256,7 +256,7 @@ class Dashboard:
             if values:
                 scalars[f"{family}/min"] = min(values)
                 scalars[f"{family}/max"] = max(values)
-        for p in projections:
+        for p in [*projections, "activations"]:  # "activations": heads dead in the head outputs
             if scalars.get(f"hdi_max/{p}", 0.0) >= 1.0:
                 del scalars[f"hdi_max/{p}"]
             prefix = f"invalid_heads/{p}/"

@@ -8,7 +8,8 @@ The history (`hdi_monitor.monitor.history`) stores the typed keys, so readers as
 Tag names:
 
 * ``hdi/<projection>/<layer>``, ``invalid_heads/<projection>/<layer>``,
-  ``effective_heads/<layer>``, ``head_correlation/<layer>``: per layer;
+  ``effective_heads/<layer>``, ``head_correlation/<layer>``: per layer (with activations,
+  ``invalid_heads/activations/<layer>`` counts the heads dead in the head outputs);
 * ``hdi/<projection>/mean``, ``effective_heads/mean``, ``head_correlation/mean`` (and the ``min`` /
   ``max`` of `hdi_monitor.monitor.dashboard.Dashboard.summary_scalars`): over layers;
 * ``hdi_chance/<projection>``, ``hdi_max/<projection>``: reference levels (means over layers);
@@ -71,6 +72,9 @@ def record_series(report: DiversityReport, *, projections: Sequence[str], activa
     if activations:
         eff, corr = [], []
         for layer in report.layers:
+            if layer.effective_heads is not None:  # measured: dead heads counted (0 when none)
+                dead = layer.invalid_heads.get("activations") or []
+                out[Series("invalid_heads", "activations", layer.name)] = float(len(dead))
             if (heads := layer.effective_heads) is not None and math.isfinite(heads):
                 out[Series("effective_heads", layer=layer.name)] = float(heads)
                 eff.append(float(heads))

@@ -108,7 +108,7 @@ from hdi_monitor.monitor.record import Measurement
 from hdi_monitor.monitor.render import Renderer, render_job
 from hdi_monitor.monitor.sinks import Sink, TensorBoardSink
 from hdi_monitor.monitor.tags import scalar_tags
-from hdi_monitor.report import AngleWork, compute_report
+from hdi_monitor.report import ACTIVATIONS, AngleWork, compute_report
 
 __all__ = [
     "HDITracker",
@@ -707,6 +707,7 @@ class HDITracker:
             entry.mean_correlation = result.mean_correlation
             entry.variance_ratio = result.variance_ratio
             entry.num_tokens = result.num_tokens
+            entry.invalid_heads[ACTIVATIONS] = list(result.invalid_heads)
         if pending.forward_expected:  # an F.linear output projection, or < 2 real tokens: said once per layer
             outs = {la.name: type(la.output_module).__name__ for la in self.layers}
             self._notes += gaps.silent_hook_notes(pending.counts.silent_layers(), outs, self._gap_seen[0])
@@ -796,7 +797,8 @@ class HDITracker:
                 )
                 if dropped is not None:
                     self._notes.append(dropped)
-        self._notes += invalid_head_notes(report, config.projections, self._invalid_seen)
+        watched = [*config.projections, ACTIVATIONS] if self.activations else config.projections
+        self._notes += invalid_head_notes(report, watched, self._invalid_seen)
         self._notes += self.publisher.worker_notes()
         notes, self._notes = self._notes, []
         if notes:
