@@ -504,6 +504,60 @@ def test_a_wrapped_encoder_decoder_masks_each_sub_model_with_its_own_mask(family
     assert [layer.num_tokens for layer in bare.layers] == list(counts.values())
 
 
+@pytest.mark.parametrize("hparams", ["dict", "namespace"])
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_a_wrapper_config_of_hyperparameters_does_not_hide_the_wrapped_model_config(family, hparams):
+    """A LightningModule keeping its hyperparameters as ``self.config`` (a dict, an argparse Namespace)
+    has no model config: the wrapped model's own config still decides, so the decoder layers count
+    the decoder_attention_mask's 64 real tokens, the encoder the attention_mask's 96 (was 96 for
+    every layer: the dict hid the model's is_encoder_decoder)."""
+    import argparse
+
+    pl = pytest.importorskip("lightning.pytorch")
+    config = {"lr": 1e-3, "num_heads": 2}
+    hp = config if hparams == "dict" else argparse.Namespace(**config)
+
+    class Wrapper(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _seq2seq(family)
+            self.config = hp
+
+        def forward(self, **batch):
+            return self.model(**batch)
+
+    wrapper = Wrapper().eval()
+    g = torch.Generator().manual_seed(1)
+    n = 48
+    dec_mask = torch.zeros(2, n, dtype=torch.long)
+    dec_mask[:, :32] = 1
+    batch = {
+        "input_ids": torch.randint(3, VOCAB, (2, n), generator=g),
+        "attention_mask": torch.ones(2, n, dtype=torch.long),
+        "decoder_input_ids": torch.randint(3, VOCAB, (2, n), generator=g),
+        "decoder_attention_mask": dec_mask,
+    }
+    # the reference: the real tokens of each mask, counted from the batch
+    assert int(batch["attention_mask"].sum()) == 96 and int(dec_mask.sum()) == 64
+    report = head_diversity(wrapper, inputs=batch)
+    counts = {layer.name: layer.num_tokens for layer in report.layers}
+    encoder = {k: v for k, v in counts.items() if ".encoder." in k}
+    decoder = {k: v for k, v in counts.items() if ".decoder." in k}
+    assert len(encoder) == 1 and len(decoder) == 2
+    assert set(encoder.values()) == {96}
+    assert set(decoder.values()) == {64}
+    # the head counts are the model's (4), not the hyperparameters' num_heads (2)
+    assert {layer.num_heads for layer in report.layers} == {H}
+    # the tracker (training mode) counts the same tokens
+    wrapper.train()
+    tracker = HDITracker(wrapper, every_n_steps=1, strict=True)
+    with tracker.capture(batch):
+        wrapper(**batch)
+    tracker.step()
+    assert dict(zip([layer.name for layer in tracker.layers], tracker.last_token_counts, strict=True)) == counts
+    tracker.close()
+
+
 # ------------------------------------------------------------------ item 4: ranks that disagree
 
 _HEADER = (
