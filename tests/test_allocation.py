@@ -470,6 +470,60 @@ def test_cli_prints_recommendation_table_and_writes_plot(tmp_path, capsys):
     assert rc == 0 and (tmp_path / "allocation.png").is_file()
 
 
+_PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_out_never_writes_through_a_link_nor_overwrites_without_force(tmp_path, capsys):
+    """--out as report and prune treat it: a symbolic link is refused (exit 2, one line naming it,
+    with or without --force, dangling too), an existing plot is replaced only with --force, and all
+    of it is checked before any work (nothing printed)."""
+    args = ["allocate", "--budget", "256", "--train-size", "1000"]
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    links = {"file": tmp_path / "plot.png", "dangling": tmp_path / "gone.png", "folder": tmp_path / "linked"}
+    links["file"].symlink_to(victim)
+    links["dangling"].symlink_to(tmp_path / "nowhere.png")
+    links["folder"].symlink_to(folder, target_is_directory=True)
+    for link in links.values():
+        for force in ([], ["--force"]):
+            assert main([*args, "--out", str(link), *force]) == 2
+            out, err = capsys.readouterr()
+            assert out == ""
+            assert err == (
+                f"hdi-monitor allocate: error: --out {str(link)!r} is a symbolic link; give a real file or folder "
+                "(links are not followed)\n"
+            )
+    assert victim.read_text() == "keep me"
+    assert not (tmp_path / "nowhere.png").exists() and list(folder.iterdir()) == []
+
+    # an existing plot: refused without --force, replaced with it
+    plot = tmp_path / "old.png"
+    plot.write_bytes(b"old plot")
+    assert main([*args, "--out", str(plot)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        f"hdi-monitor allocate: error: --out: {str(plot)!r} exists; pass --force to replace it, or give a new file "
+        "name\n"
+    )
+    assert plot.read_bytes() == b"old plot"
+    assert main([*args, "--out", str(plot), "--force"]) == 0
+    assert plot.read_bytes()[:8] == _PNG
+
+    # a folder: allocation.png inside it follows the same rule; a link there is replaced, not followed
+    (folder / "allocation.png").symlink_to(victim)
+    assert main([*args, "--out", str(folder)]) == 2
+    assert capsys.readouterr().err == (
+        f"hdi-monitor allocate: error: --out: {str(folder / 'allocation.png')!r} exists; pass --force to replace "
+        "it, or give a new file name\n"
+    )
+    assert main([*args, "--out", str(folder), "--force"]) == 0
+    assert victim.read_text() == "keep me"
+    assert not (folder / "allocation.png").is_symlink() and (folder / "allocation.png").read_bytes()[:8] == _PNG
+
+
 def test_cli_fits_a_sweep(tmp_path, capsys):
     csv_path = tmp_path / "runs.csv"
     runs = _write_sweep(csv_path)

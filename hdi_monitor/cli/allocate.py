@@ -1,12 +1,12 @@
 """``hdi-monitor allocate``: recommend a head count / head width split of a fixed attention width.
 
-    hdi-monitor allocate --budget D --train-size N [--sweep runs.csv] [--current-heads H] [--out plot.png]
+    hdi-monitor allocate --budget D --train-size N [--sweep runs.csv] [--current-heads H] [--out plot.png [--force]]
 
 Prints the recommended ``(H, d_k)``, the continuous optimum ``d_k*`` and the predicted loss of every
 feasible split (divisors of ``D`` in ``[--min-head-dim, --max-head-dim]``). With ``--sweep`` the
 allocation law is first fitted to the sweep (columns ``H, d_k, N, loss`` and optionally
 ``correlation``) and the fit's residuals are printed; without it the law's illustrative defaults
-are used. ``--out`` writes a plot.
+are used. ``--out`` writes a plot; it never overwrites by surprise (see `_plot_path`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import argparse
 import math
 from pathlib import Path
 
-from hdi_monitor.cli._common import CLIError
+from hdi_monitor.cli._common import CLIError, no_link
 
 HELP = "recommend how to split an attention width D into H heads of width d_k (allocation law)"
 
@@ -98,6 +98,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", metavar="PATH", help="write a plot here (.png/.svg/.pdf; a directory gets allocation.png)"
     )
+    parser.add_argument(
+        "--force", action="store_true", help="replace an existing --out plot (a symbolic link --out is still refused)"
+    )
+
+
+def _plot_path(value: str, force: bool) -> Path:
+    """The file ``--out`` names, checked (and its folder created) before any work is done.
+
+    A folder (or a new name without a suffix, created) gets ``allocation.png``. Refused
+    (CLIError): a symbolic link named by ``--out`` (links are never followed), a missing parent
+    folder, a format other than .png/.svg/.pdf, and a file that exists unless ``force`` (it is
+    then replaced when the plot is written; a link standing at ``allocation.png`` inside the folder
+    is removed then, see `no_link`, never written through).
+    """
+    out = Path(value)
+    if out.is_symlink():
+        raise CLIError(f"--out {value!r} is a symbolic link; give a real file or folder (links are not followed)")
+    if out.is_dir() or (not out.suffix and not out.exists()):
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise CLIError(f"--out {value!r}: cannot create the folder ({err.strerror or err})") from err
+        out = out / "allocation.png"
+    elif not out.parent.exists():
+        raise CLIError(f"--out: directory {str(out.parent)!r} does not exist")
+    if out.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise CLIError(f"--out: unsupported plot format {out.suffix!r}; use .png, .svg or .pdf")
+    if out.is_dir():
+        raise CLIError(f"--out: {str(out)!r} is a folder; give a file name or the folder that holds it")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise CLIError(f"--out: {str(out)!r} exists; pass --force to replace it, or give a new file name")
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         recommend_allocation,
     )
 
+    plot = _plot_path(args.out, args.force) if args.out else None  # before any work: not after a fit
     law = AllocationLaw()
     fit = None
     if args.fix and not args.sweep:
@@ -147,17 +180,9 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(rec.format_table())
 
-    if args.out:
-        out = Path(args.out)
-        if out.is_dir() or (not out.suffix and not out.exists()):
-            out.mkdir(parents=True, exist_ok=True)
-            out = out / "allocation.png"
-        elif not out.parent.exists():
-            raise CLIError(f"--out: directory {str(out.parent)!r} does not exist")
-        if out.suffix.lower() not in (".png", ".svg", ".pdf"):
-            raise CLIError(f"--out: unsupported plot format {out.suffix!r}; use .png, .svg or .pdf")
-        plot_allocation(rec, out, fit=fit)
-        print(f"\nwrote {out}")
+    if plot is not None:
+        plot_allocation(rec, no_link(plot), fit=fit)  # a link is replaced, never written through
+        print(f"\nwrote {plot}")
     return 0
 
 

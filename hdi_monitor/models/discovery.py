@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -250,19 +250,34 @@ def _config_of(module: nn.Module) -> object | None:
     return None if cfg is None or isinstance(cfg, nn.Module) else cfg
 
 
+def _is_model_config(cfg: object) -> bool:
+    """Whether ``cfg`` describes a model the way a Hugging Face ``PretrainedConfig`` does: a
+    ``model_type`` string and a ``to_dict()`` method (every ``PretrainedConfig``, remote-code ones
+    included, has both). Duck-typed so that discovery never imports transformers. Training
+    hyperparameters kept as ``self.config`` on a wrapper (a dict, an OmegaConf ``DictConfig``, an
+    ``argparse.Namespace``) have neither, and are not model configs."""
+    if cfg is None or isinstance(cfg, Mapping):
+        return False
+    return isinstance(getattr(cfg, "model_type", None), str) and callable(getattr(cfg, "to_dict", None))
+
+
 def _sub_model_configs(model: nn.Module, root_config: object) -> dict[str, object]:
-    """For every module name, the config of the model it belongs to: the outermost module on its
-    path (the root first) that holds a ``config``; ``root_config`` when none does. A Hugging Face
-    model wrapped in a LightningModule (or two towers in a user's dual encoder) is read with its
-    own config, however deep it sits."""
+    """For every module name, the config of the model it belongs to: the outermost model config on
+    its path (the root first, see `_is_model_config`); when the path holds none, the outermost
+    ``config`` of any kind; ``root_config`` when none at all. A Hugging Face model wrapped in a
+    LightningModule (or two towers in a user's dual encoder) is read with its own config, however
+    deep it sits, even where the wrapper keeps its hyperparameters as ``self.config``."""
     out: dict[str, object] = {}
     for raw_name, module in model.named_modules():
         if raw_name == "":
             out[raw_name] = root_config
             continue
-        parent = raw_name.rpartition(".")[0]
-        inherited = out.get(parent, root_config)
-        out[raw_name] = inherited if inherited is not None else _config_of(module)
+        inherited = out.get(raw_name.rpartition(".")[0], root_config)
+        own = _config_of(module)
+        if _is_model_config(inherited) or (inherited is not None and not _is_model_config(own)):
+            out[raw_name] = inherited
+        else:
+            out[raw_name] = own
     return out
 
 
