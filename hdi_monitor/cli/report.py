@@ -109,7 +109,8 @@ def _quiet_transformers() -> Iterator[Any]:
         import transformers
     except ImportError as err:
         raise CLIError(
-            f"this PATH needs the transformers package ({_one_line(err)}): pip install 'hdi-monitor[hf]'"
+            f"this PATH needs the transformers package ({_one_line(err)}): pip install -e '.[hf]' in a checkout "
+            "of hdi-monitor (pip install 'hdi-monitor[hf]' once it is on a package index)"
         ) from err
     logging = transformers.utils.logging
     verbosity = logging.get_verbosity()
