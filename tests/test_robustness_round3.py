@@ -638,6 +638,11 @@ def test_ddp_ranks_that_disagree_raise_the_same_clear_error_on_every_rank(tmp_pa
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     per_rank = [json.loads((tmp_path / f"out.json.{r}").read_text()) for r in (0, 1)]
+    # a rank that found no layer raises its own error; the other names it instead of waiting
+    none_0, none_1 = (r.pop("no layer on rank 1") for r in per_rank)
+    assert none_1.startswith("hdi-monitor cannot watch TransformerEncoder: ")
+    assert "nothing_is_called_this" in none_1
+    assert none_0.startswith(_HEADER + "  number of layers differs: rank 0: 2, rank 1: none (this rank found no layer")
     assert per_rank[0] == per_rank[1]  # the same error on every rank
     got = per_rank[0]
     shape = "(4/4 heads x 4, D=16)"

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from hdi_monitor.models import AttentionLayer
 
-__all__ = ["SETTINGS", "Agree", "all_agree", "check_ranks_agree", "digest", "disagreement", "fingerprint"]
+__all__ = ["NO_LAYERS", "SETTINGS", "Agree", "all_agree", "check_ranks_agree", "digest", "disagreement", "fingerprint"]
 
 #: The settings compared across ranks, in this order (the order of the hashes in the collective).
 SETTINGS: tuple[str, ...] = (
@@ -45,6 +45,10 @@ GatherObjects = Callable[[Any], list[Any]]
 Agree = Callable[[bool], bool]
 """``flag -> AND of flag over the ranks``: the collective ``HDITracker.finish`` runs on measured steps
 (`all_agree` by default; ``HDITracker.agree`` takes another, e.g. a counting one in tests)."""
+
+
+#: The "number of layers" of a rank whose discovery failed (it raises its own error, naming why).
+NO_LAYERS = "none (this rank found no layer to watch; its own error says why)"
 
 
 def _layer_text(layer: AttentionLayer) -> str:

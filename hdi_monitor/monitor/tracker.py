@@ -301,6 +301,10 @@ class HDITracker:
         try:
             found = find_attention_layers(self.model, spec=self.config.spec, layers=self.config.layers)
         except ValueError as err:
+            # the other ranks wait in the agreement check below: take part in it, so that they
+            # raise too (naming this rank) instead of waiting until the process group times out
+            with contextlib.suppress(ValueError):
+                ranks.check_ranks_agree({**self._fingerprint([]), "number of layers": ranks.NO_LAYERS})
             raise ValueError(
                 f"hdi-monitor cannot watch {type(self.model).__name__}: {err}{naming_hint(self.model)}"
             ) from err

@@ -30,6 +30,9 @@ CASES = {
     "every_n_steps": ({"every_n_steps": 10}, {"every_n_steps": 20}),
     # a different number of layers aborted inside gloo
     "number of layers": ({}, {"layers": r"layers\.0\.self_attn$"}),
+    # a layers filter that matches nothing on one rank: that rank raised before the agreement
+    # check, and the other waited in it until the process group timed out
+    "no layer on rank 1": ({}, {"layers": r"nothing_is_called_this$"}),
     "agree": ({}, {}),
 }
 
