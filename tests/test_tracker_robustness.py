@@ -453,3 +453,53 @@ def test_a_head_dead_in_its_outputs_only_is_counted_reported_and_left_out_of_eff
     assert row["effective_heads/attn"] == pytest.approx(
         _effective_heads_over_live(healthy.attn, x, [0, 1, 2, 3]), rel=1e-5
     )
+
+
+class SharedLayerNet(nn.Module):
+    """One attention layer applied three times per forward (ALBERT-style), each time to a batch of
+    identical tokens (one fixed point per application): within one application every token's head
+    outputs are the same, so the head-output covariance is zero unless tokens of several
+    applications are measured."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = GatedAttention([1.0, 1.0, 1.0, 1.0])
+        self.register_buffer("points", torch.randn(3, 16, generator=torch.Generator().manual_seed(3)))
+
+    def application(self, k: int, like: torch.Tensor) -> torch.Tensor:
+        return self.points[k].expand_as(like).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(self.attn(self.application(k, x)) for k in range(3))
+
+
+def test_max_tokens_is_shared_between_the_calls_of_a_layer():
+    """Issue 23, item 9: a layer called 3 times per forward with max_tokens = one call's tokens. The
+    first measured step does not know the calls yet: the first call fills the budget (all its tokens
+    are the same point: every head is dead, no H_eff). From the next measured step on each call
+    keeps a third of the budget, and H_eff equals the brute-force value over the three points,
+    equally weighted (exact: the tokens of one call are identical, so which ones are drawn does not
+    matter)."""
+    torch.manual_seed(0)
+    model = SharedLayerNet()
+    x = torch.zeros(2, 12, 16)  # 24 tokens per call; only the shape is used
+    tracker = HDITracker(model, every_n_steps=1, max_tokens=24, strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # step 0's dead-head note
+        for _ in range(2):
+            with tracker.capture(x):
+                model(x)
+            tracker.step()
+    first, second = tracker.history
+    assert first["invalid_heads/activations"] == 4.0 and "effective_heads/attn" not in first
+    assert tracker.last_token_counts == [24]
+    with torch.no_grad():
+        w = model.attn.out_proj.weight.double()
+        d = model.attn.head_dim
+        o = torch.stack([model.attn.heads(model.application(k, x[:1, :1]))[0, :, 0].double() for k in range(3)])
+        contrib = torch.stack([o[:, h] @ w[:, h * d : (h + 1) * d].T for h in range(4)])  # (H, 3 points, D)
+        centred = contrib - contrib.mean(dim=1, keepdim=True)
+        cov = torch.einsum("ind,jnd->ij", centred, centred)
+    expected = float(4 / (cov.sum() / cov.diagonal().sum()))
+    assert second["invalid_heads/activations"] == 0.0
+    assert second["effective_heads/attn"] == pytest.approx(expected, rel=1e-5)

@@ -206,8 +206,10 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
         log_images_every_n_steps: overlap/correlation heatmaps and principal-angle histograms every
             this many steps (default ``10 * every_n_steps``; 0 turns them off).
         activations: also capture the measured step's head outputs (covariance, effective heads).
-        max_tokens: at most this many tokens per layer per measured forward pass (a random
-            subsample drawn with the monitor's own generator); None keeps every token.
+        max_tokens: at most this many tokens per layer per measured step (a random subsample
+            drawn with the monitor's own generator), shared evenly between the layer's calls in
+            the step (micro-batches, a layer applied several times) as counted at the previous
+            measured step; None keeps every token.
         on_saturation: ``"warn"`` (one `DiversityWarning` per measured step with events),
             ``"stop"`` (warn, and stop training on saturation or collapse) or a callable that
             receives each `DiversityEvent`.

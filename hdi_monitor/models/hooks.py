@@ -247,14 +247,20 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
             m.training = mode
 
 
-def output_accumulator(layer: AttentionLayer, **kwargs: Any) -> HeadCovarianceAccumulator:
+def output_accumulator(layer: AttentionLayer, *, calls: int = 1, **kwargs: Any) -> HeadCovarianceAccumulator:
     """A covariance accumulator for ``layer`` that reads the layer's own ``W_O`` in every update
     (inside the forward pass: the weights that produced the head outputs); ``kwargs`` go to
     `HeadCovarianceAccumulator`, except ``max_tokens``, which caps the tokens of all updates
     together (``total_tokens``): a layer called several times per forward pass (ALBERT) or over
-    several micro-batches takes at most ``max_tokens`` tokens per accumulator (per measured step)."""
+    several micro-batches takes at most ``max_tokens`` tokens per accumulator (per measured step).
+    With ``calls`` > 1 (the number of updates expected, e.g. counted at the previous measured
+    step), each update keeps at most ``ceil(max_tokens / calls)`` of them, so that the budget is
+    shared between the calls instead of being filled by the first."""
     if "max_tokens" in kwargs:  # a cap per layer for the accumulator's whole life (a measured step)
-        kwargs["total_tokens"] = kwargs.pop("max_tokens")
+        total = kwargs.pop("max_tokens")
+        kwargs["total_tokens"] = total
+        if total is not None and calls > 1:
+            kwargs["max_tokens"] = -(-total // calls)  # each call's share
     return HeadCovarianceAccumulator(
         layer.num_heads,
         layer.head_dim,

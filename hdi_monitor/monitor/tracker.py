@@ -243,6 +243,7 @@ class HDITracker:
         self._notes: list[str] = []  # MonitoringWarning lines of the measurement under way (one warning)
         self._invalid_seen: set[tuple[str, str]] = set()  # (layer, projection) already warned about
         self._gap_seen: tuple[set[str], set[str]] = (set(), set())  # layers told: hook never fired / < 2 tokens
+        self._calls: dict[str, int] = {}  # head-output calls per layer at the last measured forward
         self._kernel_seen: set[str] = set()  # layers told: kernel statistics not measured
         self._pending: _Pending | None = None
         self._scheduled: int | None = None  # step of the measurement under way (set even if it failed)
@@ -413,7 +414,13 @@ class HDITracker:
             accs: list[HeadCovarianceAccumulator | None] = [None] * len(layers)
             if self.activations:
                 accs = [
-                    output_accumulator(la, max_tokens=self.config.max_tokens, generator=self.generator) for la in layers
+                    output_accumulator(
+                        la,
+                        max_tokens=self.config.max_tokens,
+                        calls=self._calls.get(la.name, 1),  # the budget shared by the calls seen last time
+                        generator=self.generator,
+                    )
+                    for la in layers
                 ]
             self._pending = _Pending(step=step, report=report, accumulators=accs, angle_work=work)
             if self.config.kernel_stats:
@@ -712,7 +719,10 @@ class HDITracker:
             entry.variance_ratio = result.variance_ratio
             entry.num_tokens = result.num_tokens
             entry.invalid_heads[ACTIVATIONS] = list(result.invalid_heads)
-        if pending.forward_expected:  # an F.linear output projection, or < 2 real tokens: said once per layer
+        if pending.forward_expected:
+            # each layer's calls this step: the next measured step shares max_tokens between them
+            self._calls = {n: c for n, c in pending.counts.output_calls.items() if c > 0}
+            # an F.linear output projection, or < 2 real tokens: said once per layer
             outs = {la.name: type(la.output_module).__name__ for la in self.layers}
             self._notes += gaps.silent_hook_notes(pending.counts.silent_layers(), outs, self._gap_seen[0])
             counts = {e.name: n for (_, e), n in zip(pairs, self.last_token_counts, strict=True)}
