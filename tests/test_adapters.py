@@ -706,6 +706,10 @@ def test_mha_output_hook_in_training_mode_without_dropout():
 
 
 def test_transformer_encoder_layers_found_once_and_hook_with_fast_path():
+    """In eval mode nn.TransformerEncoder hands its layers a nested tensor (the padded batch without
+    its padding); the hook reads it padded again, with the padding as its keep mask, and the global
+    fast-path flag is never touched (switching it off changed which weights a training forward
+    reads). Reference: the MHA's own output projection of the recomputed head outputs."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(D, H, dim_feedforward=37, dropout=0.0, batch_first=True)
     model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True).eval()
@@ -720,9 +724,8 @@ def test_transformer_encoder_layers_found_once_and_hook_with_fast_path():
     got = {}
     cap = Capture({lay.name: lay.module for lay in layers})
     handles = [lay.attach_output_hook(lambda o, k, n=lay.name: got.__setitem__(n, (o, k))) for lay in layers]
-    fast = torch.backends.mha.get_fastpath_enabled()
     try:
-        assert not fast  # switched off while hooks are attached
+        assert torch.backends.mha.get_fastpath_enabled()  # never switched off
         with torch.no_grad():
             out = model(x, src_key_padding_mask=kpm)
     finally:
@@ -731,12 +734,14 @@ def test_transformer_encoder_layers_found_once_and_hook_with_fast_path():
         cap.remove()
     assert torch.backends.mha.get_fastpath_enabled()
     keep = ~kpm
+    out = out.to_padded_tensor(0.0) if out.is_nested else out
     close(out[keep], ref[keep])  # the hooks do not change the model's output on real tokens
     for lay in layers:
         o, k = got[lay.name]
         assert torch.equal(k, keep)
         _, _, (attn_out, _) = cap.calls[lay.name]
-        close(lay.module.out_proj(o)[keep], attn_out[keep])
+        assert attn_out.is_nested  # the nested path was taken: the case this test is about
+        close(lay.module.out_proj(o)[keep], attn_out.to_padded_tensor(0.0)[keep])
 
 
 def test_transformer_decoder_layer_self_and_cross_attention():

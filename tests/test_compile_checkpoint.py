@@ -553,3 +553,45 @@ def test_a_failing_side_forward_skips_the_measurement_and_never_the_training():
     assert tracker is not None and len(tracker.history) == 0
     with pytest.raises(RuntimeError, match="no eval forward here"):
         _failing_side_forward_run(True, strict=True)
+
+
+class PaddedEncoderNet(nn.Module):
+    """Embedding, an nn.TransformerEncoder called with a padding mask, a read-out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True), 2)
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, x: Tensor, pad: Tensor) -> Tensor:
+        return self.head(self.enc(self.emb(x), src_key_padding_mask=pad))
+
+
+def test_a_compiled_encoder_with_padding_is_measured_in_the_side_forward():
+    """The side forward runs in eval mode, where nn.TransformerEncoder hands its layers a nested
+    tensor (the batch without its padding): the hooks read it padded again. Each layer counts the
+    real tokens (the mask's sum) and its effective heads equal those of the uncompiled encoder on
+    the same batch; the global fast-path flag is left as it was."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = PaddedEncoderNet()
+    eager = PaddedEncoderNet()
+    eager.load_state_dict(net.state_dict())
+    net.enc = torch.compile(net.enc, backend="eager")
+    x = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(1))
+    pad = torch.zeros(4, 8, dtype=torch.bool)
+    pad[:, 6:] = True
+    tracker = HDITracker(net, every_n_steps=1, max_tokens=None, strict=True)
+    with tracker.capture((x, pad)):
+        net(x, pad)
+    tracker.step()
+    torch._dynamo.reset()
+    assert torch.backends.mha.get_fastpath_enabled()
+    assert tracker.last_token_counts == [int((~pad).sum())] * 2
+    ref = head_diversity(eager, inputs=(x, pad), max_tokens=None)
+    row = tracker.history[-1]
+    for layer in ref.layers:
+        assert row[f"effective_heads/enc._orig_mod.{layer.name.removeprefix('enc.')}"] == pytest.approx(
+            layer.effective_heads, rel=1e-5
+        )

@@ -331,16 +331,30 @@ def test_torch_mha_matches_its_own_attention_weights(batch_first):
     )
 
 
-def test_transformer_encoder_fast_path_is_captured_and_restored():
+@pytest.mark.parametrize("nested", [False, True])
+def test_transformer_encoder_padded_queries_are_not_counted(nested):
+    """Self-attention with a key padding mask: the padded tokens are padded queries too, and are
+    not counted (they were: 10 queries for 8 real tokens). ``nested``: nn.TransformerEncoder in eval
+    mode hands its layers a nested tensor, read padded again. Reference: the entropy of the first
+    layer's own attention probabilities over the real queries; the global fast-path flag is never
+    touched."""
     layer = _mha_model()
-    x = torch.randn(2, 5, 16)
+    model: nn.Module = nn.TransformerEncoder(layer, 2).eval() if nested else layer
+    first = model.layers[0] if nested else model
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(2))
     pad = torch.zeros(2, 5, dtype=torch.bool)
     pad[0, 3:] = True
+    with torch.no_grad():
+        _, probs = first.self_attn(x, x, x, key_padding_mask=pad, average_attn_weights=False)
     before = torch.backends.mha.get_fastpath_enabled()
-    with torch.no_grad(), KernelStatsCapture({"self_attn": layer.self_attn}) as cap:
-        layer(x, src_key_padding_mask=pad)
+    watched = {"self_attn": first.self_attn}
+    with torch.no_grad(), KernelStatsCapture(watched) as cap:
+        assert torch.backends.mha.get_fastpath_enabled() == before
+        model(x, src_key_padding_mask=pad)
     assert torch.backends.mha.get_fastpath_enabled() == before
-    assert cap.unreachable == [] and int(cap.results()["self_attn"].num_queries[0]) == 10
+    res = cap.results()["self_attn"]
+    assert cap.unreachable == [] and int(res.num_queries[0]) == int((~pad).sum()) == 8
+    torch.testing.assert_close(res.entropy, _prob_entropy(probs, ~pad), atol=TOL, rtol=0)
 
 
 def test_unreachable_layers_are_named():

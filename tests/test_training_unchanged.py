@@ -196,6 +196,57 @@ def test_parametrized_mha_in_proj_trains_bit_identically(parametrization, kernel
     assert_same_run(without, with_)
 
 
+class FrozenBeside(nn.Module):
+    """A frozen nn.MultiheadAttention in eval mode feeding a trained one with spectral_norm on its
+    packed in_proj_weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.MultiheadAttention(WIDTH, 4, batch_first=True)
+        self.trained = nn.MultiheadAttention(WIDTH, 4, batch_first=True)
+        nn.utils.parametrizations.spectral_norm(self.trained, name="in_proj_weight")
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.frozen(x, x, x, need_weights=False)[0]
+        return self.head(self.trained(h, h, h, need_weights=False)[0]).square().mean()
+
+
+def frozen_beside_run(monitored: bool) -> dict:
+    torch.manual_seed(0)
+    model = FrozenBeside()
+    model.frozen.eval().requires_grad_(False)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=0, strict=True)
+    losses = []
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x = torch.randn(2, 6, WIDTH, generator=g)
+        if monitored:
+            with tracker.capture(x):
+                loss = model(x)
+        else:
+            loss = model(x)
+        loss.backward()
+        losses.append(loss.detach().clone())
+        if monitored:
+            tracker.step()
+        optimizer.step()
+        optimizer.zero_grad()
+    return run_record(model, losses, tracker=tracker)
+
+
+def test_a_frozen_eval_mode_mha_beside_a_trained_spectral_norm_mha_trains_bit_identically():
+    """The monitor never touches the global MHA fast-path flag: switching it off for a hooked
+    eval-mode module made the trained module's forward skip its fast-path reads of
+    in_proj_weight, each a spectral_norm power step (training changed)."""
+    without = frozen_beside_run(False)
+    with_ = frozen_beside_run(True)
+    assert len(with_["tracker"].history) == 3
+    assert "effective_heads/trained" in with_["tracker"].history[-1]
+    assert_same_run(without, with_)
+
+
 @cuda
 def test_plain_loop_on_cuda_leaves_the_cuda_generator_alone():
     """Item 1 on an accelerator: dropout masks come from the CUDA generator, which the subsample

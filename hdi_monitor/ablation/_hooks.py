@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from hdi_monitor.models import AttentionLayer, find_attention_layers
 from hdi_monitor.models.hooks import batch_mask, call_model, eval_mode, iter_batches
+from hdi_monitor.models.torch_mha import hold_fastpath_off
 
 __all__ = ["check_heads", "edit_head_outputs", "head_output_means", "output_module", "resolve_layers"]
 
@@ -96,10 +97,16 @@ def _attach_edit(layer: AttentionLayer, edit: Edit) -> list[Any]:
             f"{layer.name}: family {layer.family!r} exposes no output module, so its head outputs cannot be edited"
         )
     stash: list[Tensor] = []
-    # The adapter's observe-only hook recomputes o from the call's inputs (and holds the MHA fast
-    # path off while attached, so nn.TransformerEncoderLayer runs the module's forward).
-    observe = layer.attach_output_hook(lambda o, _keep: stash.append(o))
-    w_out = rearrange(layer.head_weights("output"), "h m d -> m (h d)")
+    # The adapter's observe-only hook recomputes o from the call's inputs. The MHA fast path is held
+    # off while attached (an analysis, not a training run): a nested batch from nn.TransformerEncoder
+    # would give a nested output, to which the padded correction below cannot be added.
+    fastpath = hold_fastpath_off()
+    try:
+        observe = layer.attach_output_hook(lambda o, _keep: stash.append(o))
+        w_out = rearrange(layer.head_weights("output"), "h m d -> m (h d)")
+    except BaseException:
+        fastpath.remove()
+        raise
 
     def post_hook(_mod: nn.Module, _args: tuple, output: Any) -> Any:
         o = stash.pop()
@@ -108,7 +115,7 @@ def _attach_edit(layer: AttentionLayer, edit: Edit) -> list[Any]:
             return (output[0] + delta.to(output[0].dtype), *output[1:])
         return output + delta.to(output.dtype)
 
-    return [observe, layer.module.register_forward_hook(post_hook)]
+    return [fastpath, observe, layer.module.register_forward_hook(post_hook)]
 
 
 @contextlib.contextmanager

@@ -23,8 +23,9 @@ read where the kernel is reachable:
 * **``torch.nn.MultiheadAttention``**: its forward inputs are captured by a pre-hook and ``q``, ``k``
   recomputed from its ``in_proj`` (and ``bias_k``/``add_zero_attn``, ``attn_mask`` and
   ``key_padding_mask``): there is nothing between the projection and the kernel there, so this is
-  exact. Its fused fast path is switched off while the capture is active (the fused encoder
-  kernels bypass the module's forward).
+  exact. The hooks keep ``nn.TransformerEncoderLayer`` off its fused path; a nested batch from
+  ``nn.TransformerEncoder`` in eval mode is read padded again, its padded queries left out (see
+  `hdi_monitor.models.torch_mha.unnest_self_attention`). The global fast-path flag is never touched.
 
 Each call is attributed to the watched layer whose forward is running (a forward pre-hook and an
 always-called forward hook on each watched module keep a per-thread stack) or, for registry and
@@ -61,7 +62,7 @@ from hdi_monitor.functional.kernel import (
     default_kv_head_map,
 )
 from hdi_monitor.models.base import AttentionLayer, ErrorHandler
-from hdi_monitor.models.torch_mha import _MHA_ARGS, _hold_fastpath_off, _release_fastpath, mha_heads
+from hdi_monitor.models.torch_mha import _MHA_ARGS, _keep_from_padding, mha_heads, unnest_self_attention
 
 __all__ = ["KernelCall", "KernelCapture", "KernelStatsCapture", "mha_query_key"]
 
@@ -87,6 +88,8 @@ class KernelCall:
             ``(B, H, T, S)`` (SDPA's convention).
         is_causal: the kernel's causal flag (key ``s`` allowed for query ``t`` when ``s <= t``).
         kv_head_map: ``(H,)`` key head of each query head; None: ``h // (H / H_k)``.
+        query_keep: ``(B, T)`` bool, the queries that are real tokens (None: all); set where the
+            call itself knows its padding (a nested batch padded again).
     """
 
     layer: str
@@ -97,6 +100,7 @@ class KernelCall:
     mask: Tensor | None
     is_causal: bool
     kv_head_map: Tensor | None = None
+    query_keep: Tensor | None = None
 
 
 def mha_query_key(
@@ -159,8 +163,7 @@ class KernelCapture:
 
     While active, the registry entries, the eager functions of the watched layers' modeling modules
     and ``F.scaled_dot_product_attention`` are wrapped (each wrapper calls the original with the
-    same arguments and returns its result untouched), and the MHA fast path is off. All of it is
-    restored on exit. The object is single-use per block but may be entered again.
+    same arguments and returns its result untouched). All of it is restored on exit. The object is single-use per block but may be entered again.
 
     Example:
         ```python
@@ -269,16 +272,20 @@ class KernelCapture:
             h2 = mod.register_forward_hook(post, with_kwargs=True, always_call=True)
             self._undo.append(h1.remove)
             self._undo.append(h2.remove)
-            if is_mha and not mod.training:  # see hdi_monitor.models.torch_mha: never in training mode
-                _hold_fastpath_off()
-                self._undo.append(_release_fastpath)
 
     def _mha_call(self, name: str, mha: nn.Module, args: tuple, kwargs: dict) -> None:
         assert isinstance(mha, nn.MultiheadAttention)
         call = dict(zip(_MHA_ARGS, args, strict=False))
         call.update(kwargs)
-        q, k, mask = mha_query_key(mha, call["query"], call["key"], call.get("key_padding_mask"), call.get("attn_mask"))
-        self._emit(KernelCall(name, "nn.MultiheadAttention", q, k, 1.0 / math.sqrt(mha.head_dim), mask, False))
+        call, real = unnest_self_attention(mha, call)  # nn.TransformerEncoder's nested batches, padded again
+        kpm = call.get("key_padding_mask")
+        if real is None and kpm is not None and call["query"] is call["key"]:
+            # self-attention: the padded keys are padded queries too (never counted as queries)
+            real = _keep_from_padding(kpm)
+            real = real[None] if real.dim() == 1 else real
+        q, k, mask = mha_query_key(mha, call["query"], call["key"], kpm, call.get("attn_mask"))
+        scale = 1.0 / math.sqrt(mha.head_dim)
+        self._emit(KernelCall(name, "nn.MultiheadAttention", q, k, scale, mask, False, query_keep=real))
 
     def _patch_sdpa(self) -> None:
         original = F.scaled_dot_product_attention
@@ -543,6 +550,8 @@ class KernelStatsCapture:
         keep = self.query_mask
         if keep is not None and tuple(keep.shape) != (b, t):
             keep = None
+        if call.query_keep is not None:
+            keep = call.query_keep if keep is None else keep & call.query_keep
         acc.update(
             call.q,
             call.k,

@@ -10,17 +10,19 @@ Head outputs: ``nn.MultiheadAttention`` calls ``F.linear`` on ``out_proj``'s wei
 hook on ``out_proj`` never fires (pytorch #78109). The output hook therefore captures the MHA
 forward's inputs and recomputes the per-head outputs for that batch under ``no_grad`` (attention
 dropout is not applied: the statistics describe the dropout-free outputs). While any such hook is
-attached to a module in eval mode, the MHA "fast path" (``torch.backends.mha``) is switched off,
-because the fused kernels of ``nn.TransformerEncoder`` bypass the MHA module's forward and would
-never run the hook. A module in training mode never takes the fast path, so the flag is left alone
-there: switching it off would also skip the forward's own fast-path checks, which read
-``in_proj_weight``, and under ``spectral_norm`` each read advances the power iteration (training
-would change).
+attached, ``nn.TransformerEncoderLayer`` runs its module-by-module path (its fused path is off
+whenever a hook is attached), so the MHA forward and its pre-hook run. The monitor never touches
+the global fast-path flag (``torch.backends.mha``): switching it off changed which weights the MHA
+forward reads (its fast-path checks read ``in_proj_weight``, one ``spectral_norm`` power step each),
+so training would change. In eval mode ``nn.TransformerEncoder`` may hand its layers a nested tensor
+(a padded batch without its padding); the hook reads such a self-attention call as the padded batch
+with the padding masked (`unnest_self_attention`).
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +43,7 @@ from hdi_monitor.models.base import (
 )
 from hdi_monitor.models.tensor_parallel import tensor_parallel_of
 
-__all__ = ["ADAPTER", "MHALayer", "mha_head_outputs", "mha_heads"]
+__all__ = ["ADAPTER", "MHALayer", "hold_fastpath_off", "mha_head_outputs", "mha_heads", "unnest_self_attention"]
 
 _MHA_ARGS = (
     "query",
@@ -75,6 +77,39 @@ def _release_fastpath() -> None:
         if _fastpath_holds == 0 and _fastpath_saved is not None:
             torch.backends.mha.set_fastpath_enabled(_fastpath_saved)
             _fastpath_saved = None
+
+
+def hold_fastpath_off() -> HookHandle:
+    """Switch the MHA fast path (``torch.backends.mha``) off until the handle's ``remove()`` (nested
+    holds count; the flag comes back as it was). For analysis tools that edit an MHA's output
+    (`hdi_monitor.ablation`), never for the monitor of a training run (see the module's docstring)."""
+    _hold_fastpath_off()
+    return HookHandle(on_remove=_release_fastpath)
+
+
+def unnest_self_attention(mha: nn.MultiheadAttention, call: dict[str, Any]) -> tuple[dict[str, Any], Tensor | None]:
+    """A call whose query is a nested tensor (``nn.TransformerEncoder`` in eval mode turns a padded
+    batch into one before its layers run) as the same call on the padded ``(B, T, E)`` batch with
+    the padding as ``key_padding_mask``, and the ``(B, T)`` keep mask of its real tokens; any other
+    call as it is, and None.
+
+    Raises:
+        ValueError: a nested call that is not self-attention (``query is key is value``) or not
+            ``batch_first``: not a layout ``nn.TransformerEncoder`` makes.
+    """
+    query = call.get("query")
+    if not isinstance(query, Tensor) or not query.is_nested:
+        return call, None
+    nested: Tensor = query
+    if call.get("key") is not nested or call.get("value") is not nested or not mha.batch_first:
+        raise ValueError(
+            "nn.MultiheadAttention was called with nested tensors other than batch-first self-attention; "
+            "its head outputs cannot be read"
+        )
+    lengths = torch.tensor([t.shape[0] for t in nested.unbind()], device=nested.device)  # sizes: host metadata
+    padded = nested.to_padded_tensor(0.0)
+    keep = torch.arange(padded.shape[1], device=padded.device)[None, :] < lengths[:, None]
+    return {**call, "query": padded, "key": padded, "value": padded, "key_padding_mask": ~keep}, keep
 
 
 def _qkv_weights(mha: nn.MultiheadAttention) -> tuple[Tensor, Tensor, Tensor]:
@@ -218,6 +253,7 @@ class MHALayer(AttentionLayer):
         def pre_hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
             call = dict(zip(_MHA_ARGS, args, strict=False))
             call.update(kwargs)
+            call, _ = unnest_self_attention(mha, call)
             query, key, value = call["query"], call["key"], call["value"]
             kpm = call.get("key_padding_mask")
             with torch.no_grad():
@@ -237,11 +273,7 @@ class MHALayer(AttentionLayer):
                         keep = keep.transpose(0, 1)
             fn(o, keep)
 
-        handle = mha.register_forward_pre_hook(guarded(pre_hook, on_error), with_kwargs=True)
-        if mha.training:  # no fast path in training mode: the flag (and the forward's reads) stay as they are
-            return HookHandle(handle)
-        _hold_fastpath_off()
-        return HookHandle(handle, on_remove=_release_fastpath)
+        return HookHandle(mha.register_forward_pre_hook(guarded(pre_hook, on_error), with_kwargs=True))
 
 
 def _match(name: str, module: nn.Module) -> bool:
