@@ -595,3 +595,47 @@ def test_a_compiled_encoder_with_padding_is_measured_in_the_side_forward():
         assert row[f"effective_heads/enc._orig_mod.{layer.name.removeprefix('enc.')}"] == pytest.approx(
             layer.effective_heads, rel=1e-5
         )
+
+
+class _EvalFailsUnit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training:
+            raise RuntimeError("no eval forward here")
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+class _CountingUnit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.eval_calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.eval_calls += not self.training
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def test_no_side_forward_runs_once_the_measurement_is_dropped():
+    """Two compiled units; the first one's side forward fails, which drops the step's measurement:
+    the second unit then runs no side forward (one eager forward saved per unit and step)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        torch.compile(_EvalFailsUnit(), backend="eager"), torch.compile(_CountingUnit(), backend="eager")
+    )
+    tracker = HDITracker(net, every_n_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            x = torch.randn(2, 5, 16)
+            with tracker.capture(x):
+                net(x).sum().backward()
+            tracker.step()
+    torch._dynamo.reset()
+    assert net[1]._orig_mod.eval_calls == 0
+    assert len(tracker.history) == 0
+    assert sum("no eval forward here" in str(w.message) for w in caught) == 2  # one per measured step

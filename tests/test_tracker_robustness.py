@@ -503,3 +503,37 @@ def test_max_tokens_is_shared_between_the_calls_of_a_layer():
     expected = float(4 / (cov.sum() / cov.diagonal().sum()))
     assert second["invalid_heads/activations"] == 0.0
     assert second["effective_heads/attn"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_resumed_tracker_shares_max_tokens_as_the_uninterrupted_run():
+    """The calls counted at the last measured step are part of the tracker's state: a tracker
+    resumed from a checkpoint (torch.save, weights_only load) logs at its first measured step what
+    the uninterrupted run logs there (it used to let the first call fill the budget again: every head
+    reported dead)."""
+    import io
+
+    torch.manual_seed(0)
+    model = SharedLayerNet()
+    x = torch.zeros(2, 12, 16)
+
+    def run(tracker: HDITracker, steps: int) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(steps):
+                with tracker.capture(x):
+                    model(x)
+                tracker.step()
+
+    uninterrupted = HDITracker(model, every_n_steps=1, max_tokens=24, strict=True)
+    run(uninterrupted, 3)
+    first = HDITracker(model, every_n_steps=1, max_tokens=24, strict=True)
+    run(first, 2)
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = HDITracker(model, every_n_steps=1, max_tokens=24, strict=True)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    run(resumed, 1)
+    assert resumed.history.steps == uninterrupted.history.steps == [0, 1, 2]
+    assert resumed.history[-1] == uninterrupted.history[-1]
+    assert resumed.history[-1]["invalid_heads/activations"] == 0.0

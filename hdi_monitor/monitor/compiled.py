@@ -36,6 +36,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -140,9 +141,16 @@ def _is_cache(value: Any) -> bool:
     return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
 
 
-def side_forward(unit: CompiledUnit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def side_forward(
+    unit: CompiledUnit,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    attach: Callable[[], list[Any]] | None = None,
+) -> None:
     """Run the unit's original module eagerly on ``args``/``kwargs``: no grad, eval mode, every
-    random generator restored afterwards. The caller attaches and removes the hooks.
+    random generator restored afterwards. ``attach()`` puts hooks on once the module is in eval
+    mode (a hook that looks at the module's mode sees the mode of the call) and returns their
+    handles, removed after the forward.
 
     A key/value cache passed in (a transformers decoder layer compiled on its own receives the
     model's cache) is left out of the side forward, so the side forward never appends to the cache
@@ -156,10 +164,15 @@ def side_forward(unit: CompiledUnit, args: tuple[Any, ...], kwargs: dict[str, An
         torch.random.fork_rng(devices=_cuda_devices(unit.original)),
         eval_mode(unit.original),
     ):
-        if unit.kind == "inplace":
-            unit.original._call_impl(*args, **kwargs)  # the eager call, not _compiled_call_impl
-        else:
-            unit.original(*args, **kwargs)
+        handles = attach() if attach is not None else []
+        try:
+            if unit.kind == "inplace":
+                unit.original._call_impl(*args, **kwargs)  # the eager call, not _compiled_call_impl
+            else:
+                unit.original(*args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
 def capture_side_forward(
@@ -169,18 +182,18 @@ def capture_side_forward(
     on_error: Callable[[Exception], None],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    *,
+    dropped: Callable[[], bool] | None = None,
 ) -> None:
-    """The ``on_call`` of `intercept` on a measured step: ``attach(source)`` puts the capture's
-    hooks on (``source``: the call's keyword arguments, where a mask passed as a keyword is found,
-    else the step's ``batch``), the `side_forward` runs, the hooks come off. An error goes to
-    ``on_error``, never into the training forward."""
+    """The ``on_call`` of `intercept` on a measured step: in the side forward (eval mode, no grad),
+    ``attach(source)`` puts the capture's hooks on (``source``: the call's keyword arguments, where
+    a mask passed as a keyword is found, else the step's ``batch``), the unit's original module
+    runs, the hooks come off. Nothing runs once ``dropped()`` is true (an earlier hook failed: the
+    measurement is skipped). An error goes to ``on_error``, never into the training forward."""
+    if dropped is not None and dropped():
+        return
     try:
-        handles = attach(kwargs if kwargs else batch)
-        try:
-            side_forward(unit, args, kwargs)
-        finally:
-            for handle in handles:
-                handle.remove()
+        side_forward(unit, args, kwargs, attach=partial(attach, kwargs if kwargs else batch))
     except Exception as err:  # noqa: BLE001 - never into the training forward
         on_error(err)
 

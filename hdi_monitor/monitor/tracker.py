@@ -135,6 +135,7 @@ class _Pending:
     kernel: KernelStatsCapture | None = None  # kernel statistics of this step (kernel_stats on)
     kernel_accumulators: list[KernelStatsAccumulator] = field(default_factory=list)  # one per layer, in order
     kernel_off: dict[str, str] = field(default_factory=dict)  # layer -> why the tracker did not capture it
+    dropped: bool = False  # a hook failed in this forward: the measurement is skipped, side forwards too
 
 
 class HDITracker:
@@ -553,7 +554,9 @@ class HDITracker:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """History (bounded: see `History`), last measured step, events (the last `MAX_EVENTS`),
-        detector state and the subsample generator's state (plain Python types: JSON-ready, and
+        detector state, the subsample generator's state, each layer's head-output calls at the
+        last measured step (how ``max_tokens`` is shared next) and the layers whose invalid-head
+        counts the dashboard keeps logging (plain Python types: JSON-ready, and
         loadable with ``torch.load(..., weights_only=True)``)."""
         return {
             "generator": base64.b64encode(self.generator.get_state().numpy().tobytes()).decode("ascii"),
@@ -567,6 +570,8 @@ class HDITracker:
                 self.activation_detector.state_dict() if self.activation_detector is not None else None
             ),
             "kernel_detector": self.kernel_detector.state_dict() if self.kernel_detector is not None else None,
+            "calls": dict(self._calls),
+            "unhealthy": sorted(self.dashboard.unhealthy),  # per-layer invalid-head charts kept on
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -586,6 +591,8 @@ class HDITracker:
             self.activation_detector.load_state_dict(state["activation_detector"])
         if self.kernel_detector is not None and state.get("kernel_detector") is not None:
             self.kernel_detector.load_state_dict(state["kernel_detector"])
+        self._calls = {str(name): int(n) for name, n in (state.get("calls") or {}).items()}
+        self.dashboard.unhealthy.update(str(tag) for tag in state.get("unhealthy") or [])
         if state.get("generator") is not None:
             raw = base64.b64decode(state["generator"])
             self.generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
@@ -667,7 +674,9 @@ class HDITracker:
                 counts=counts,
             )
             unit = self._units[k]
-            self._handles += [intercept(unit, partial(capture_side_forward, unit, attach, batch, on_error))]
+            dropped = partial(getattr, pending, "dropped")
+            on_call = partial(capture_side_forward, unit, attach, batch, on_error, dropped=dropped)
+            self._handles += [intercept(unit, on_call)]
 
     def _hook_failed(self, err: Exception) -> None:
         """A head-output hook raised inside the forward pass: drop this measurement (in ``finish``
@@ -677,6 +686,7 @@ class HDITracker:
             raise err
         if self._pending is None:
             return  # already dropped (and warned) by an earlier hook of this forward pass
+        self._pending.dropped = True
         self._pending = None
         warn(
             f"hdi-monitor: error while capturing head outputs; training goes on, this measurement is skipped "
