@@ -212,7 +212,8 @@ class DiversityReport:
                 mark = "*" if bad else ""
                 row += [_fmt(lay.hdi.get(p)) + mark, _fmt(lay.chance_hdi.get(p)), _fmt(lay.max_hdi.get(p))]
             if has_act:
-                row += [_fmt(lay.effective_heads, 2), _fmt(lay.mean_correlation)]
+                dead = "*" if lay.invalid_heads.get(ACTIVATIONS) else ""
+                row += [_fmt(lay.effective_heads, 2) + dead, _fmt(lay.mean_correlation)]
             rows.append(row)
         footer = ["mean", "", "", "", ""]
         for p in self.projections:
@@ -229,6 +230,10 @@ class DiversityReport:
         lines = [f"head diversity ({self.weighting} overlap)", line(header), rule, *map(line, rows), rule, line(footer)]
         if any(lay.invalid_heads.get(p) for lay in self.layers for p in self.projections):
             lines.append("* layer has dead (all-zero) or non-finite heads, left out of its HDI")
+        if any(lay.invalid_heads.get(ACTIVATIONS) for lay in self.layers):
+            lines.append(
+                "* (H_eff) heads that contributed nothing to the layer output, left out: H_eff is over the live heads"
+            )
         notes: dict[str, list[str]] = {}
         for lay in self.layers:
             for note in lay.notes:

@@ -441,6 +441,9 @@ def test_a_head_dead_in_its_outputs_only_is_counted_reported_and_left_out_of_eff
     report = head_diversity(model, inputs=x)
     assert report.layers[0].invalid_heads["activations"] == [3]
     assert report.layers[0].effective_heads == pytest.approx(expected, rel=1e-5)
+    table = report.format_table()  # the table marks the H_eff taken over fewer heads, and says why
+    assert f"{report.layers[0].effective_heads:.2f}*" in table
+    assert "* (H_eff) heads that contributed nothing to the layer output, left out" in table
 
     healthy = GatedNet([1.0, 1.0, 1.0, 1.0])
     tracker = HDITracker(healthy, every_n_steps=1, max_tokens=None, strict=True)

@@ -228,7 +228,7 @@ def _summary_rows(report: DiversityReport) -> list[dict[str, Any]]:
                 "head_dim": lay.head_dim,
                 "model_dim": lay.model_dim,
                 "projections": cells,
-                "effective_heads": _fmt(lay.effective_heads, 2),
+                "effective_heads": _fmt(lay.effective_heads, 2) + ("*" if lay.invalid_heads.get("activations") else ""),
                 "mean_correlation": _fmt(lay.mean_correlation),
                 "tokens": "\u2013" if lay.num_tokens is None else str(lay.num_tokens),
             }
