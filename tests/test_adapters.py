@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from hdi_monitor import head_diversity
 from hdi_monitor.models import (
     PROJECTIONS,
     AttentionLayer,
@@ -1011,3 +1012,32 @@ def test_dtensor_parameters_are_gathered():
             assert not isinstance(w, DTensor) and torch.equal(w, ref[p])
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), torch.finfo(torch.float32).min, -1e9])
+def test_float_key_padding_masks_mark_the_same_padding_as_bool_ones(fill):
+    """A float key_padding_mask is additive: -inf, finfo.min and -1e9 all mask a key (its weight
+    underflows to 0). Each marks the same padded tokens as the bool mask: 9 real tokens of 15 (it
+    counted finfo.min and -1e9 rows as real: 15)."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+            return self.mha(x, x, x, key_padding_mask=pad)[0]
+
+    net = Net().eval()
+    x = torch.randn(3, 5, 8)
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[0, 3:] = True
+    pad[2, 1:] = True
+    float_pad = torch.zeros(3, 5).masked_fill(pad, fill)
+    with torch.no_grad():  # the module itself masks those keys alike
+        close(net(x, float_pad)[~pad], net(x, pad)[~pad])
+    by_bool = head_diversity(net, inputs=(x, pad), max_tokens=None).layers[0]
+    by_float = head_diversity(net, inputs=(x, float_pad), max_tokens=None).layers[0]
+    assert by_bool.num_tokens == by_float.num_tokens == int((~pad).sum()) == 9
+    assert by_float.effective_heads == pytest.approx(by_bool.effective_heads, rel=1e-6)

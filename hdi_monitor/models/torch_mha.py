@@ -16,7 +16,9 @@ the global fast-path flag (``torch.backends.mha``): switching it off changed whi
 forward reads (its fast-path checks read ``in_proj_weight``, one ``spectral_norm`` power step each),
 so training would change. In eval mode ``nn.TransformerEncoder`` may hand its layers a nested tensor
 (a padded batch without its padding); the hook reads such a self-attention call as the padded batch
-with the padding masked (`unnest_self_attention`).
+with the padding masked (`unnest_self_attention`). Known limit: a frozen eval-mode
+``nn.TransformerEncoderLayer`` inside a model being trained runs fused except while a hook is on, so
+on measured steps its output is rounded differently (about 1e-7); ``activations=False`` avoids it.
 """
 
 from __future__ import annotations
@@ -140,11 +142,17 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return mask.to(dtype)
 
 
+#: A float key padding mask entry at or below this is padding (``-inf``, ``finfo.min``, ``-1e9``: the
+#: key's attention weight underflows to exactly 0 in float32 and float64 alike).
+MASKED_AT = -1e4
+
+
 def _keep_from_padding(key_padding_mask: Tensor) -> Tensor:
-    """``key_padding_mask`` (True or -inf = padding) as a bool keep mask (True = real token)."""
+    """``key_padding_mask`` (True, or a float entry at or below `MASKED_AT` = padding) as a bool keep
+    mask (True = real token)."""
     if key_padding_mask.dtype == torch.bool:
         return ~key_padding_mask
-    return ~torch.isneginf(key_padding_mask)
+    return ~(key_padding_mask <= MASKED_AT)  # -inf included; NaN counts as real (and shows as NaN)
 
 
 def mha_heads(

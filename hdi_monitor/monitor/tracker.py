@@ -592,7 +592,8 @@ class HDITracker:
         if self.kernel_detector is not None and state.get("kernel_detector") is not None:
             self.kernel_detector.load_state_dict(state["kernel_detector"])
         self._calls = {str(name): int(n) for name, n in (state.get("calls") or {}).items()}
-        self.dashboard.unhealthy.update(str(tag) for tag in state.get("unhealthy") or [])
+        if state.get("unhealthy") is not None:  # replaces what this tracker logged before the load
+            self.dashboard.unhealthy = {str(tag) for tag in state["unhealthy"]}
         if state.get("generator") is not None:
             raw = base64.b64decode(state["generator"])
             self.generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
