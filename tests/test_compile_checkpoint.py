@@ -336,6 +336,19 @@ def _fresh_copy(net: nn.Module) -> nn.Module:
     return copy
 
 
+def _train_step(
+    model: nn.Module, tracker: HDITracker | None, x: Tensor, y: Tensor, optimizer: torch.optim.Optimizer
+) -> None:
+    """One SGD step of the next-token loss, measured through ``tracker`` when given."""
+    with tracker.capture(x) if tracker is not None else contextlib.nullcontext():
+        loss = F.cross_entropy(model(x).reshape(-1, 128), y.reshape(-1))
+    loss.backward()
+    if tracker is not None:
+        tracker.step()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def _plain_run(monitor: bool, how: str):
     """SGD (lr 0.1) on a dropout model compiled with aot_eager; measured every 2nd step."""
     from torch._dynamo.utils import counters
@@ -359,13 +372,7 @@ def _plain_run(monitor: bool, how: str):
     for step, (x, y) in enumerate(batches()):
         if tracker is not None and step % EVERY == 0:  # the reference: eager, eval mode, same weights
             refs[step] = head_diversity(_fresh_copy(net), spec=SPEC, inputs=x)
-        with tracker.capture(x) if tracker is not None else contextlib.nullcontext():
-            loss = F.cross_entropy(model(x).reshape(-1, 128), y.reshape(-1))
-        loss.backward()
-        if tracker is not None:
-            tracker.step()
-        optimizer.step()
-        optimizer.zero_grad()
+        _train_step(model, tracker, x, y, optimizer)
     if tracker is not None:
         tracker.close()
     counts = _dynamo_counts()
@@ -527,13 +534,7 @@ def _failing_side_forward_run(monitor: bool, strict: bool = False) -> tuple[list
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for x, y in batches():
-            with tracker.capture(x) if tracker is not None else contextlib.nullcontext():
-                loss = F.cross_entropy(model(x).reshape(-1, 128), y.reshape(-1))
-            loss.backward()
-            if tracker is not None:
-                tracker.step()
-            optimizer.step()
-            optimizer.zero_grad()
+            _train_step(model, tracker, x, y, optimizer)
     torch._dynamo.reset()
     messages = [str(w.message) for w in caught if issubclass(w.category, MonitoringWarning)]
     return [p.detach().clone() for p in model.parameters()], messages, tracker

@@ -467,6 +467,20 @@ def _seq2seq(name: str) -> nn.Module:
     return cls(cfg).eval()
 
 
+def _seq2seq_batch() -> dict[str, torch.Tensor]:
+    """Encoder ids with 96 real tokens (2 x 48, no padding), decoder ids with 64 (32 of 48 per row)."""
+    g = torch.Generator().manual_seed(1)
+    n = 48
+    dec_mask = torch.zeros(2, n, dtype=torch.long)
+    dec_mask[:, :32] = 1  # 64 real decoder tokens
+    return {
+        "input_ids": torch.randint(3, VOCAB, (2, n), generator=g),
+        "attention_mask": torch.ones(2, n, dtype=torch.long),  # 96 real encoder tokens
+        "decoder_input_ids": torch.randint(3, VOCAB, (2, n), generator=g),
+        "decoder_attention_mask": dec_mask,
+    }
+
+
 @pytest.mark.parametrize("family", ["t5", "bart"])
 def test_a_wrapped_encoder_decoder_masks_each_sub_model_with_its_own_mask(family):
     """Inside a LightningModule the decoder layers take decoder_attention_mask (64 real tokens),
@@ -482,16 +496,7 @@ def test_a_wrapped_encoder_decoder_masks_each_sub_model_with_its_own_mask(family
             return self.model(**batch)
 
     wrapper = Wrapper().eval()
-    g = torch.Generator().manual_seed(1)
-    n = 48
-    dec_mask = torch.zeros(2, n, dtype=torch.long)
-    dec_mask[:, :32] = 1  # 64 real decoder tokens
-    batch = {
-        "input_ids": torch.randint(3, VOCAB, (2, n), generator=g),
-        "attention_mask": torch.ones(2, n, dtype=torch.long),  # 96 real encoder tokens
-        "decoder_input_ids": torch.randint(3, VOCAB, (2, n), generator=g),
-        "decoder_attention_mask": dec_mask,
-    }
+    batch = _seq2seq_batch()
     report = head_diversity(wrapper, inputs=batch)
     counts = {layer.name: layer.num_tokens for layer in report.layers}
     encoder = {k: v for k, v in counts.items() if ".encoder." in k}
@@ -527,18 +532,9 @@ def test_a_wrapper_config_of_hyperparameters_does_not_hide_the_wrapped_model_con
             return self.model(**batch)
 
     wrapper = Wrapper().eval()
-    g = torch.Generator().manual_seed(1)
-    n = 48
-    dec_mask = torch.zeros(2, n, dtype=torch.long)
-    dec_mask[:, :32] = 1
-    batch = {
-        "input_ids": torch.randint(3, VOCAB, (2, n), generator=g),
-        "attention_mask": torch.ones(2, n, dtype=torch.long),
-        "decoder_input_ids": torch.randint(3, VOCAB, (2, n), generator=g),
-        "decoder_attention_mask": dec_mask,
-    }
+    batch = _seq2seq_batch()
     # the reference: the real tokens of each mask, counted from the batch
-    assert int(batch["attention_mask"].sum()) == 96 and int(dec_mask.sum()) == 64
+    assert int(batch["attention_mask"].sum()) == 96 and int(batch["decoder_attention_mask"].sum()) == 64
     report = head_diversity(wrapper, inputs=batch)
     counts = {layer.name: layer.num_tokens for layer in report.layers}
     encoder = {k: v for k, v in counts.items() if ".encoder." in k}

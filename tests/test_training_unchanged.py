@@ -9,7 +9,10 @@ changed, shifts a dropout mask and breaks the equality.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -133,6 +136,25 @@ def test_lightning_training_is_bit_identical_with_the_monitor(tmp_path, accumula
     assert_same_run(without, with_)
 
 
+def next_token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+
+
+def train_step(
+    loss_of: Callable[[], torch.Tensor], x: torch.Tensor, tracker: HDITracker | None, optimizer: torch.optim.Optimizer
+) -> torch.Tensor:
+    """One optimizer step on ``loss_of()``, its forward captured by ``tracker`` when given (measured
+    steps only); returns the loss."""
+    with tracker.capture(x) if tracker is not None else contextlib.nullcontext():
+        loss = loss_of()
+    loss.backward()
+    if tracker is not None:
+        tracker.step()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach().clone()
+
+
 def plain_run(
     monitored: bool, steps: int = 6, device: str = "cpu", parametrization: str | None = None, kernel_stats: bool = False
 ) -> dict:
@@ -155,18 +177,8 @@ def plain_run(
         if len(losses) == steps:
             break
         x, y = x.to(device), y.to(device)
-        if monitored:
-            with tracker.capture(x):
-                logits = model(x)
-        else:
-            logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
-        loss.backward()
-        losses.append(loss.detach().clone())
-        if monitored:
-            tracker.step()
-        optimizer.step()
-        optimizer.zero_grad()
+        loss_of = partial(next_token_loss, model, x, y)
+        losses.append(train_step(loss_of, x, tracker if monitored else None, optimizer))
     tracker.close()
     return run_record(model, losses, tracker=tracker)
 
@@ -222,17 +234,7 @@ def frozen_beside_run(monitored: bool) -> dict:
     g = torch.Generator().manual_seed(5)
     for _ in range(3):
         x = torch.randn(2, 6, WIDTH, generator=g)
-        if monitored:
-            with tracker.capture(x):
-                loss = model(x)
-        else:
-            loss = model(x)
-        loss.backward()
-        losses.append(loss.detach().clone())
-        if monitored:
-            tracker.step()
-        optimizer.step()
-        optimizer.zero_grad()
+        losses.append(train_step(partial(model, x), x, tracker if monitored else None, optimizer))
     return run_record(model, losses, tracker=tracker)
 
 
