@@ -28,6 +28,8 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, port: int, inputs_path: str, output_path: str) -> None:
+    from gloo_exit import exit_after_barrier  # this script's folder is sys.path[0], also in spawned workers
+
     from hdi_monitor.functional.covariance import HeadCovarianceAccumulator
 
     torch.set_num_threads(1)
@@ -77,8 +79,10 @@ def _worker(rank: int, port: int, inputs_path: str, output_path: str) -> None:
                 output_path,
             )
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_after_barrier()
 
 
 def main(argv: list[str]) -> int:

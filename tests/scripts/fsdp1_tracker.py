@@ -218,6 +218,8 @@ def _one_config(rank: int, use_orig_params: bool) -> dict[str, Any]:
 
 
 def _worker(rank: int, port: int, output_path: str, pg_timeout: float) -> None:
+    from gloo_exit import exit_after_barrier  # this script's folder is sys.path[0], also in spawned workers
+
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -232,8 +234,10 @@ def _worker(rank: int, port: int, output_path: str, pg_timeout: float) -> None:
         if rank == 0:
             torch.save(results, output_path)
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_after_barrier()
 
 
 def _free_port() -> int:

@@ -109,6 +109,9 @@ def _worker(rank: int, out: str, port: int) -> None:
 
     if dist.is_initialized():
         dist.barrier()  # no rank tears gloo down while another is still finishing a collective
+        from gloo_exit import exit_after_barrier  # this script's folder is sys.path[0], also in spawned workers
+
+        exit_after_barrier()
 
 
 def main(argv: list[str] | None = None) -> int:

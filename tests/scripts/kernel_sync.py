@@ -24,6 +24,8 @@ def rank_inputs(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def run(rank: int, out: str) -> None:
+    from gloo_exit import exit_after_barrier  # this script's folder is sys.path[0], also in spawned workers
+
     dist.init_process_group("gloo", init_method=f"file://{out}/pg", rank=rank, world_size=2)
     accs = [KernelStatsAccumulator(4) for _ in range(3)]  # the third sees no query on either rank
     for acc, (q, k) in zip(accs, rank_inputs(rank), strict=False):
@@ -32,7 +34,7 @@ def run(rank: int, out: str) -> None:
     res = [acc.compute() for acc in accs]
     torch.save([(r.entropy, r.uniform_entropy, r.max_logit, r.num_queries) for r in res], f"{out}/rank{rank}.pt")
     dist.barrier()  # no rank tears gloo down while another is still in a collective
-    dist.destroy_process_group()
+    exit_after_barrier()
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ def full_batch() -> dict[str, torch.Tensor]:
 
 
 def run(rank: int, out: str) -> None:
+    from gloo_exit import exit_after_barrier  # this script's folder is sys.path[0], also in spawned workers
+
     dist.init_process_group("gloo", init_method=f"file://{out}/pg", rank=rank, world_size=2)
     batch = {k: v[2 * rank : 2 * rank + 2] for k, v in full_batch().items()}
     tracker = HDITracker(build(), kernel_stats=True, max_tokens=None, strict=True)
@@ -50,7 +52,7 @@ def run(rank: int, out: str) -> None:
     ]
     torch.save({"layers": rows, "scalars": dict(m.scalars)}, f"{out}/rank{rank}.pt")
     dist.barrier()  # no rank tears gloo down while another is still in a collective
-    dist.destroy_process_group()
+    exit_after_barrier()
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ def model() -> nn.Module:
 
 
 def run(rank: int, port: int, out: str) -> None:
+    from gloo_exit import exit_after_barrier  # this script's folder is sys.path[0], also in spawned workers
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
     from hdi_monitor import HDITracker
@@ -64,7 +66,7 @@ def run(rank: int, port: int, out: str) -> None:
     with open(f"{out}.{rank}", "w", encoding="utf-8") as f:
         json.dump(results, f)
     dist.barrier()  # no rank tears gloo down while another is still in a collective
-    dist.destroy_process_group()
+    exit_after_barrier()
 
 
 def main() -> None:

@@ -588,6 +588,8 @@ WORLD = {"fsdp_tp_track": 4}
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    from gloo_exit import exit_after_barrier  # this script's folder is sys.path[0], also in spawned workers
+
     world = WORLD.get(args.engine, WORLD_SIZE)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -609,8 +611,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         result = ENGINES[args.engine](Path(args.out), rank)
         (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
         dist.barrier()  # no rank tears gloo down while another is still finishing a collective
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_after_barrier()
 
 
 def _free_port() -> int:
