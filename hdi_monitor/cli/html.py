@@ -35,7 +35,7 @@ from torch import Tensor
 
 from hdi_monitor.cli._common import no_link
 from hdi_monitor.monitor.render import colorbar_lut, heatmap
-from hdi_monitor.report import DiversityReport
+from hdi_monitor.report import ACTIVATIONS, DiversityReport
 
 __all__ = ["ReportFiles", "write_report", "save_png", "plot_hdi_by_layer", "figure_count", "layer_labels"]
 
@@ -228,7 +228,7 @@ def _summary_rows(report: DiversityReport) -> list[dict[str, Any]]:
                 "head_dim": lay.head_dim,
                 "model_dim": lay.model_dim,
                 "projections": cells,
-                "effective_heads": _fmt(lay.effective_heads, 2) + ("*" if lay.invalid_heads.get("activations") else ""),
+                "effective_heads": _fmt(lay.effective_heads, 2) + ("*" if lay.invalid_heads.get(ACTIVATIONS) else ""),
                 "mean_correlation": _fmt(lay.mean_correlation),
                 "tokens": "\u2013" if lay.num_tokens is None else str(lay.num_tokens),
             }

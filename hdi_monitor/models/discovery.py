@@ -274,10 +274,9 @@ def _sub_model_configs(model: nn.Module, root_config: object) -> dict[str, objec
             continue
         inherited = out.get(raw_name.rpartition(".")[0], root_config)
         own = _config_of(module)
-        if _is_model_config(inherited) or (inherited is not None and not _is_model_config(own)):
-            out[raw_name] = inherited
-        else:
-            out[raw_name] = own
+        # the first config on the path, unless a model config comes after a config of another kind
+        replace = inherited is None or (_is_model_config(own) and not _is_model_config(inherited))
+        out[raw_name] = own if replace else inherited
     return out
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from hdi_monitor.models import AttentionLayer
 from hdi_monitor.monitor.record import layer_tag
-from hdi_monitor.report import DiversityReport
+from hdi_monitor.report import ACTIVATIONS, DiversityReport
 
 __all__ = ["describe_change", "heads_text", "invalid_head_notes", "naming_hint", "signature", "submodule"]
 
@@ -65,7 +65,7 @@ def naming_hint(model: nn.Module, limit: int = 10) -> str:
 
 def invalid_head_notes(report: DiversityReport, projections: Sequence[str], seen: set[tuple[str, str]]) -> list[str]:
     """One note the first time a layer and projection has dead (all-zero) or non-finite heads
-    (``seen`` remembers the pairs already noted, and is updated). The projection ``"activations"``
+    (``seen`` remembers the pairs already noted, and is updated). The projection `ACTIVATIONS` (``"activations"``)
     is the head outputs: heads whose contribution to the layer output had zero variance."""
     notes = []
     for layer in report.layers:
@@ -73,7 +73,7 @@ def invalid_head_notes(report: DiversityReport, projections: Sequence[str], seen
             bad = layer.invalid_heads.get(projection) or []
             if bad and (layer.name, projection) not in seen:
                 seen.add((layer.name, projection))
-                if projection == "activations":
+                if projection == ACTIVATIONS:
                     notes.append(
                         f"{layer.name} (head outputs): head(s) {bad} contributed nothing to the layer output "
                         f"(zero variance over {layer.num_tokens} tokens); effective heads are over the "

@@ -36,7 +36,7 @@ from hdi_monitor.monitor.detector import DIVERSITY_EVENT_KINDS, KERNEL_EVENT_KIN
 from hdi_monitor.monitor.history import History
 from hdi_monitor.monitor.record import Series
 from hdi_monitor.monitor.render import ImageJob, MapPanel, TilePanel
-from hdi_monitor.report import DiversityReport
+from hdi_monitor.report import ACTIVATIONS, DiversityReport
 
 __all__ = [
     "Dashboard",
@@ -256,7 +256,7 @@ class Dashboard:
             if values:
                 scalars[f"{family}/min"] = min(values)
                 scalars[f"{family}/max"] = max(values)
-        for p in [*projections, "activations"]:  # "activations": heads dead in the head outputs
+        for p in [*projections, ACTIVATIONS]:  # ACTIVATIONS: heads dead in the head outputs
             if scalars.get(f"hdi_max/{p}", 0.0) >= 1.0:
                 del scalars[f"hdi_max/{p}"]
             prefix = f"invalid_heads/{p}/"

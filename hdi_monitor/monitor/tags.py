@@ -33,7 +33,7 @@ from typing import cast
 from hdi_monitor.monitor.dashboard import Dashboard
 from hdi_monitor.monitor.detector import DiversityEvent
 from hdi_monitor.monitor.record import RESERVED_LAYER_NAMES, Series, layer_tag
-from hdi_monitor.report import DiversityReport
+from hdi_monitor.report import ACTIVATIONS, DiversityReport
 
 __all__ = ["Series", "kernel_series", "layer_tag", "record_series", "scalar_tags", "RESERVED_LAYER_NAMES"]
 
@@ -73,8 +73,8 @@ def record_series(report: DiversityReport, *, projections: Sequence[str], activa
         eff, corr = [], []
         for layer in report.layers:
             if layer.effective_heads is not None:  # measured: dead heads counted (0 when none)
-                dead = layer.invalid_heads.get("activations") or []
-                out[Series("invalid_heads", "activations", layer.name)] = float(len(dead))
+                dead = layer.invalid_heads.get(ACTIVATIONS) or []
+                out[Series("invalid_heads", ACTIVATIONS, layer.name)] = float(len(dead))
             if (heads := layer.effective_heads) is not None and math.isfinite(heads):
                 out[Series("effective_heads", layer=layer.name)] = float(heads)
                 eff.append(float(heads))
