@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from einops import rearrange, reduce
 from torch.profiler import ProfilerActivity, profile
 
-from hdi_monitor.functional.covariance import DEFAULT_CHUNK_BYTES, HeadCovarianceAccumulator
+from hdi_monitor.functional.covariance import DEFAULT_CHUNK_BYTES
+from hdi_monitor.measure.covariance import HeadCovarianceAccumulator
 
 LAYERS = {"gpt2-small": (768, 12, 64), "4096-wide": (4096, 32, 128)}
 SEQ = 1024

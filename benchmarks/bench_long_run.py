@@ -39,7 +39,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from hdi_monitor.monitor.config import MonitorConfig
+from hdi_monitor.config import MonitorConfig
 from hdi_monitor.monitor.tracker import HDITracker
 
 OUT = Path(__file__).parent / "results"

@@ -4,15 +4,20 @@ The root holds the names a user needs (see ``__all__``); everything else is impo
 subpackage. The Lightning callback and the tracker are imported on first use, so
 ``import hdi_monitor`` does not import Lightning, TensorBoard or transformers.
 
-Layout (data flows one way, each layer imports only those below it):
+Layout (data flows one way, each layer imports only those below it; ``docs/architecture.md``
+draws a measurement's route):
 
 - `hdi_monitor.functional`: pure tensor math (principal angles, overlaps, HDI, reference levels,
-  the head-output covariance accumulator).
+  head-output covariance moments, kernel statistics, the logit bound and update entropy).
 - `hdi_monitor.models`: everything that touches `nn.Module`: attention discovery, the family
-  table, `AttentionSpec`, LoRA weights, sharded weights, hooks.
-- `hdi_monitor.report`: `head_diversity` / `compute_report` and the `DiversityReport`.
-- `hdi_monitor.monitor`: the framework-free `HDITracker`, its settings (`MonitorConfig`), the
-  early-warning detector, sinks and rendering.
+  table, `AttentionSpec`, LoRA weights, sharded weights, hooks, the kernel capture.
+- `hdi_monitor.report`: `compute_report` (weights -> `DiversityReport`).
+- `hdi_monitor.config` (`MonitorConfig`, the one settings object) and `hdi_monitor.events`
+  (`DiversityEvent`): plain data, read by the layers above.
+- `hdi_monitor.measure`: the measured step (`MeasuredStep` -> frozen `Measurement`), its
+  accumulators and collectives, and the one-shot `head_diversity`.
+- `hdi_monitor.monitor`: the framework-free `HDITracker` (schedule, resume, error policy) and the
+  `Publisher` (detectors, history, warnings, sinks, pictures).
 - `hdi_monitor.integrations`: the Lightning callback `HDIMonitor`, the Hugging Face
   `HDITrainerCallback`, the sinks for W&B, MLflow and Comet loggers.
 - `hdi_monitor.ablation`: ablate, rank and prune heads.
@@ -52,10 +57,10 @@ _LAZY = {
     "AttentionSpec": "hdi_monitor.models",
     "discover_attention": "hdi_monitor.models",
     "DiversityReport": "hdi_monitor.report",
-    "head_diversity": "hdi_monitor.report",
+    "head_diversity": "hdi_monitor.measure.oneshot",
     "HDITracker": "hdi_monitor.monitor.tracker",
-    "MonitorConfig": "hdi_monitor.monitor.config",
-    "DiversityEvent": "hdi_monitor.monitor.detector",
+    "MonitorConfig": "hdi_monitor.config",
+    "DiversityEvent": "hdi_monitor.events",
     "SaturationDetector": "hdi_monitor.monitor.detector",
     "HDIMonitor": "hdi_monitor.integrations.lightning",
     "HDITrainerCallback": "hdi_monitor.integrations.hf_trainer",
@@ -70,12 +75,12 @@ _MOVED = {
     "Discovery": "hdi_monitor.models",
     "SkippedModule": "hdi_monitor.models",
     "find_attention_layers": "hdi_monitor.models",
-    "HeadCovarianceAccumulator": "hdi_monitor.functional.covariance",
+    "HeadCovarianceAccumulator": "hdi_monitor.measure.covariance",
     "HeadCovarianceResult": "hdi_monitor.functional.covariance",
     "head_covariance": "hdi_monitor.functional.covariance",
     "LayerDiversity": "hdi_monitor.report",
     "compute_report": "hdi_monitor.report",
-    "Measurement": "hdi_monitor.monitor.tracker",
+    "Measurement": "hdi_monitor.measure.measurement",
     "LoggerSink": "hdi_monitor.monitor.sinks",
     "MemorySink": "hdi_monitor.monitor.sinks",
     "TensorBoardSink": "hdi_monitor.monitor.sinks",
@@ -114,10 +119,12 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - what static tools see
     from hdi_monitor.ablation import head_importance, prune_heads
+    from hdi_monitor.config import MonitorConfig
+    from hdi_monitor.events import DiversityEvent
     from hdi_monitor.integrations.hf_trainer import HDITrainerCallback
     from hdi_monitor.integrations.lightning import HDIMonitor
+    from hdi_monitor.measure.oneshot import head_diversity
     from hdi_monitor.models import AttentionSpec, discover_attention
-    from hdi_monitor.monitor.config import MonitorConfig
-    from hdi_monitor.monitor.detector import DiversityEvent, SaturationDetector
+    from hdi_monitor.monitor.detector import SaturationDetector
     from hdi_monitor.monitor.tracker import HDITracker
-    from hdi_monitor.report import DiversityReport, head_diversity
+    from hdi_monitor.report import DiversityReport

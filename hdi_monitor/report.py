@@ -1,15 +1,17 @@
-"""One-shot head-diversity report of a model: `head_diversity`.
+"""The diversity report: `DiversityReport` of `LayerDiversity` records, and `compute_report`, which
+makes one from the layers' weights.
 
-``head_diversity(model)`` finds the attention layers, reads each projection's per-head weights,
-computes the overlap matrices and HDIs batched over all layers of one shape, and returns a
-`DiversityReport` (a table when printed, JSON-ready with `DiversityReport.to_dict`).
-With ``inputs`` it also runs the model on some batches and adds head-output covariance statistics.
+`compute_report` reads each projection's per-head weights once (`weight_groups`: sharded layers one
+at a time, the others batched by shape), computes the overlap matrices and HDIs batched over all
+layers of one shape on the weights' device, and returns a frozen `DiversityReport` (a table when
+printed, JSON-ready with `DiversityReport.to_dict`). The measured step
+(`hdi_monitor.measure.step.MeasuredStep`) adds the head-output and kernel statistics of a forward
+pass as new records; `hdi_monitor.head_diversity` is the one-shot entry point.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -17,7 +19,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
-from hdi_monitor._validation import check_choice, check_choices, check_int
+from hdi_monitor._validation import check_choice, check_choices
 from hdi_monitor.functional.diversity import (
     Weighting,
     chance_hdi,
@@ -27,20 +29,19 @@ from hdi_monitor.functional.diversity import (
     pairwise_principal_angles,
     subspace_overlap,
 )
-from hdi_monitor.models import AttentionLayer, AttentionSpec, SkippedModule, discover_attention
+from hdi_monitor.models import AttentionLayer, SkippedModule
 from hdi_monitor.models.base import PROJECTIONS
-from hdi_monitor.models.discovery import skipped_message
-from hdi_monitor.models.sharding import full_weights, gathers_weights, is_fsdp1_module
+from hdi_monitor.models.sharding import full_weights, gathers_weights
 
 __all__ = [
+    "ACTIVATIONS",
     "AngleWork",
     "DiversityReport",
     "LayerDiversity",
     "Progress",
     "Projection",
+    "compute_angles",
     "compute_report",
-    "fill_angles",
-    "head_diversity",
     "weight_groups",
 ]
 
@@ -55,9 +56,11 @@ _ACTIVATION_FIELDS = ("effective_heads", "mean_correlation", "variance_ratio", "
 _KERNEL_FIELDS = ("attention_entropy", "attention_entropy_uniform", "max_attention_logit", "kernel_queries")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerDiversity:
-    """Diversity of one attention layer.
+    """Diversity of one attention layer (a frozen record: a later stage makes a new one with
+    `dataclasses.replace`, as the measured step does when it adds the head-output and kernel
+    statistics; the dicts and tensors it holds are not changed after it is made).
 
     Per-projection dicts are keyed by the projections the report was computed for. ``hdi`` and
     ``max_hdi`` are None where fewer than two valid heads exist; ``chance_hdi`` uses the
@@ -66,9 +69,10 @@ class LayerDiversity:
     (all-zero or non-finite) heads. The activation fields are filled only when the report was made
     with ``inputs``; ``invalid_heads["activations"]`` then lists the heads whose contribution to the
     layer output had zero variance (dead heads: left out of ``effective_heads``, which is over the
-    live heads). ``angles`` (filled only when asked for, see `compute_report`) holds, per
-    projection, the principal angles in degrees of every valid head pair ``i < j`` (CPU float32,
-    flattened), computed from the same weight read as the overlaps.
+    live heads); ``nonfinite_heads`` lists those of them whose outputs held a NaN or inf (said
+    apart in the notes). ``angles`` (only when asked for, see `compute_report`) holds, per projection, the
+    principal angles in degrees of every valid head pair ``i < j`` (CPU float32, flattened),
+    computed from the same weight read as the overlaps.
 
     Kernel statistics (DESIGN.md rule 8; filled by the tracker on measured steps when
     ``MonitorConfig(kernel_stats=True)``, else None): ``attention_entropy`` (per query head, mean
@@ -105,6 +109,7 @@ class LayerDiversity:
     attention_entropy_uniform: Tensor | None = None
     max_attention_logit: Tensor | None = None
     kernel_queries: Tensor | None = None
+    nonfinite_heads: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ kernel statistics (opt-in)
     @property
@@ -144,6 +149,8 @@ class LayerDiversity:
         }
         if self.notes:
             out["notes"] = list(self.notes)
+        if self.nonfinite_heads:
+            out["nonfinite_heads"] = list(self.nonfinite_heads)
         if self.covariance is not None:
             out["covariance"] = _nested(self.covariance)
         if self.correlation is not None:
@@ -159,7 +166,7 @@ class LayerDiversity:
         return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class DiversityReport:
     """Per-layer head diversity of a model (see `head_diversity`).
 
@@ -352,24 +359,18 @@ def compute_report(
             are read once whatever is asked. A list instead of True defers the work for weights
             that live whole on the CPU: their groups are appended to it as `AngleWork` (a CPU copy
             of the weights, taken now, at most `ANGLE_COPY_BYTES` in all), to be finished later, on
-            another thread, with `fill_angles`; sharded (gathered) and accelerator weights, and
-            groups past that size, are done at once.
+            another thread, with `compute_angles` (the record is not changed: the angles are their
+            own result); sharded (gathered) and accelerator weights, and groups past that size, are
+            done at once, into ``LayerDiversity.angles``.
     """
     checked = _check_projections(projections)
     check_choice("weighting", weighting, Weighting)
     if not all(isinstance(lay, AttentionLayer) for lay in layers):
         raise TypeError("layers must be a list of AttentionLayer (see find_attention_layers)")
-    results = [
-        LayerDiversity(
-            name=lay.name,
-            family=lay.family,
-            num_heads=lay.num_heads,
-            num_kv_heads=lay.num_kv_heads,
-            head_dim=lay.head_dim,
-            model_dim=lay.model_dim,
-            notes=tuple(getattr(lay, "notes", ())),
-        )
-        for lay in layers
+    if not all(isinstance(s, SkippedModule) for s in skipped):
+        raise TypeError("skipped must be a sequence of SkippedModule (see discover_attention)")
+    fields: list[dict[str, Any]] = [
+        {"chance_hdi": {}, "max_hdi": {}, "hdi": {}, "overlap": {}, "invalid_heads": {}, "angles": {}} for _ in layers
     ]
     # (projection, layer indices, overlap (L, h, h), hdi (L,), invalid (L, h)) on the weights' device
     pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]] = []
@@ -377,8 +378,8 @@ def compute_report(
         for proj, idx, stacked in weight_groups(layers, checked, fsdp_root=fsdp_root):
             _, heads, d_in, d = stacked.shape
             for i in idx:
-                results[i].chance_hdi[proj] = chance_hdi(model_dim=d_in, head_dim=d, weighting=weighting)
-                results[i].max_hdi[proj] = max_hdi(num_heads=heads, head_dim=d, model_dim=d_in)
+                fields[i]["chance_hdi"][proj] = chance_hdi(model_dim=d_in, head_dim=d, weighting=weighting)
+                fields[i]["max_hdi"][proj] = max_hdi(num_heads=heads, head_dim=d, model_dim=d_in)
             overlap = subspace_overlap(stacked, weighting)
             pending.append((proj, idx, overlap, head_diversity_index(overlap), invalid_heads(stacked)))
             if angles is not False and heads >= 2:
@@ -392,13 +393,24 @@ def compute_report(
                     cast("list[AngleWork]", angles).append(AngleWork(proj, tuple(idx), stacked.detach().clone()))
                 else:
                     for i, row in zip(idx, _pair_angles(stacked), strict=True):
-                        results[i].angles[proj] = row
+                        fields[i]["angles"][proj] = row
             del stacked  # a gathered layer is freed before the next one
             if progress is not None:
                 progress(len(idx))
-    _collect(pending, results)
-    if not all(isinstance(s, SkippedModule) for s in skipped):
-        raise TypeError("skipped must be a sequence of SkippedModule (see discover_attention)")
+    _collect(pending, fields)
+    results = [
+        LayerDiversity(
+            name=lay.name,
+            family=lay.family,
+            num_heads=lay.num_heads,
+            num_kv_heads=lay.num_kv_heads,
+            head_dim=lay.head_dim,
+            model_dim=lay.model_dim,
+            notes=tuple(getattr(lay, "notes", ())),
+            **f,
+        )
+        for lay, f in zip(layers, fields, strict=True)
+    ]
     return DiversityReport(layers=results, projections=checked, weighting=weighting, skipped=list(skipped))
 
 
@@ -417,13 +429,19 @@ class AngleWork:
     weights: Tensor
 
 
-def fill_angles(report: DiversityReport, work: Sequence[AngleWork]) -> None:
-    """Compute deferred principal angles into ``report.layers[i].angles`` (thread-safe against
-    readers: each entry is set once, whole)."""
+def compute_angles(report: DiversityReport, work: Sequence[AngleWork]) -> dict[str, dict[str, Tensor]]:
+    """The principal angles of a report's layers, per projection and layer name: those computed with
+    the report (``LayerDiversity.angles``) and the deferred ones of ``work``, finished now (on any
+    thread: nothing is written into the report)."""
+    out: dict[str, dict[str, Tensor]] = {p: {} for p in report.projections}
+    for lay in report.layers:
+        for p, row in lay.angles.items():
+            out.setdefault(p, {})[lay.name] = row
     with torch.no_grad():
         for item in work:
             for i, row in zip(item.indices, _pair_angles(item.weights), strict=True):
-                report.layers[i].angles[item.projection] = row
+                out.setdefault(item.projection, {})[report.layers[i].name] = row
+    return out
 
 
 def _pair_angles(stacked: Tensor) -> list[Tensor]:
@@ -436,8 +454,8 @@ def _pair_angles(stacked: Tensor) -> list[Tensor]:
     return [row[~torch.isnan(row)] for row in picked]
 
 
-def _collect(pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]], results: list[LayerDiversity]) -> None:
-    """Copy all group results to the CPU with one transfer per device and fill ``results``."""
+def _collect(pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]], fields: list[dict[str, Any]]) -> None:
+    """Copy all group results to the CPU with one transfer per device into each layer's fields."""
     by_device: dict[torch.device, list[int]] = {}
     for n, (_, _, overlap, _, _) in enumerate(pending):
         by_device.setdefault(overlap.device, []).append(n)
@@ -460,130 +478,6 @@ def _collect(pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]], resul
         overlap, hdi, bad = host[n]
         for j, i in enumerate(idx):
             value = float(hdi[j])
-            results[i].hdi[proj] = value if math.isfinite(value) else None
-            results[i].overlap[proj] = overlap[j].clone()
-            results[i].invalid_heads[proj] = torch.nonzero(bad[j]).flatten().tolist()
-
-
-# ------------------------------------------------------------------------------------- activations
-
-
-def _add_activation_stats(
-    model: nn.Module,
-    layers: list[AttentionLayer],
-    results: list[LayerDiversity],
-    inputs: Any,
-    max_tokens: int | None,
-    *,
-    fsdp_root: nn.Module | None = None,
-    progress: Progress | None = None,
-) -> None:
-    """Run ``inputs`` through ``model`` with output hooks feeding one accumulator per layer, then
-    fill each layer's statistics (one device-to-host transfer for all layers). The accumulators
-    read ``W_O`` while the head outputs arrive, so nothing here reads the weights afterwards.
-    ``progress`` is called with 1 after each batch."""
-    from hdi_monitor.functional.covariance import compute_results
-    from hdi_monitor.models.hooks import attach_output_hooks, call_model, eval_mode, iter_batches, output_accumulator
-
-    accs = [
-        output_accumulator(
-            lay,
-            max_tokens=max_tokens,
-            # a sharded layer's state goes where its first head outputs are (no gather just for a device)
-            device=None if gathers_weights(lay, fsdp_root) else lay.head_weights("output").device,
-        )
-        for lay in layers
-    ]
-    seen = 0
-    with eval_mode(model):
-        for batch in iter_batches(inputs):
-            handles = attach_output_hooks(layers, accs, batch)
-            try:
-                call_model(model, batch)
-            finally:
-                for h in handles:
-                    h.remove()
-            seen += 1
-            if progress is not None:
-                progress(1)
-    if seen == 0:
-        raise ValueError("inputs held no batch")
-    for lay, acc, res, stats in zip(layers, accs, results, compute_results(accs), strict=True):
-        if stats is None:
-            try:
-                acc.compute()  # raises the accumulator's own message: why there is no token
-            except ValueError as exc:
-                raise ValueError(f"{lay.name}: no head-output statistics: {exc}") from exc
-        assert stats is not None
-        res.covariance = stats.covariance
-        res.correlation = stats.correlation
-        res.effective_heads = float(stats.effective_heads)
-        res.mean_correlation = float(stats.mean_correlation)
-        res.variance_ratio = float(stats.variance_ratio)
-        res.num_tokens = int(stats.num_tokens)
-        res.invalid_heads[ACTIVATIONS] = list(stats.invalid_heads)
-
-
-def head_diversity(
-    model: nn.Module,
-    *,
-    projections: Sequence[Projection] | Projection = PROJECTIONS,
-    weighting: Weighting = "spectral",
-    spec: AttentionSpec | Sequence[AttentionSpec] | None = None,
-    layers: str | Sequence[str] | None = None,
-    inputs: Any = None,
-    max_tokens: int | None = None,
-    progress: Progress | None = None,
-) -> DiversityReport:
-    """Head diversity of every attention layer of ``model``.
-
-    Args:
-        model: the model (any ``nn.Module`` with attention layers of a supported family, or ``spec``).
-        projections: which of ``"query"``, ``"key"``, ``"value"``, ``"output"`` to measure.
-        weighting: ``"spectral"`` (default) or ``"uniform"`` subspace overlap.
-        spec: one `AttentionSpec` or a list, for modules no built-in
-            family covers; combines with the built-in families (a spec wins where both match).
-        layers: a regex (``re.search`` on qualified names) or a list of exact layer names.
-        inputs: optional batches for head-output covariance statistics: one batch (a dict is called
-            as ``model(**batch)``, a tuple as ``model(*batch)``, a tensor as ``model(batch)``) or an
-            iterable of batches (a list of dicts or tensors, a DataLoader, ...). Tokens
-            are restricted to real ones where the hook gives a mask (``nn.MultiheadAttention`` with a
-            ``key_padding_mask``) and, for dict batches, by ``batch[layer.mask_key]`` (e.g.
-            ``attention_mask``). The model runs in eval mode (restored afterwards) under no_grad;
-            inputs must already be on the model's device.
-        max_tokens: cap on the tokens each layer's accumulator takes.
-        progress: called with the number of work units just done, for a progress bar:
-            ``len(layers) * len(projections)`` layer measurements, then one per batch of
-            ``inputs``; ``tqdm(total=...).update`` fits (see `compute_report`).
-
-    Returns:
-        A `DiversityReport`; ``print(report)`` shows a table. Attention-like modules that
-        are not measured are in ``report.skipped`` with the reason (and in the table) and named in
-        one warning.
-
-    An FSDP1 model (``FullyShardedDataParallel``) is measured one FSDP unit at a time when
-    ``model`` is the FSDP root itself (a collective: call it on every rank).
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    checked = _check_projections(projections)
-    check_choice("weighting", weighting, Weighting)
-    if max_tokens is not None:
-        check_int("max_tokens", max_tokens)
-    root = model if is_fsdp1_module(model) else None
-    with torch.no_grad():
-        discovery = discover_attention(model, spec=spec, layers=layers)
-        found = discovery.layers
-        if discovery.skipped:
-            warnings.warn(skipped_message(discovery.skipped), UserWarning, stacklevel=2)
-        report = compute_report(
-            found,
-            projections=checked,  # checked: members of PROJECTIONS
-            weighting=weighting,
-            fsdp_root=root,
-            skipped=discovery.skipped,
-            progress=progress,
-        )
-        if inputs is not None:
-            _add_activation_stats(model, found, report.layers, inputs, max_tokens, fsdp_root=root, progress=progress)
-    return report
+            fields[i]["hdi"][proj] = value if math.isfinite(value) else None
+            fields[i]["overlap"][proj] = overlap[j].clone()
+            fields[i]["invalid_heads"][proj] = torch.nonzero(bad[j]).flatten().tolist()

@@ -13,13 +13,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hdi_monitor.contrib.ensemble import bias_variance_covariance
-from hdi_monitor.functional.covariance import (
-    HeadCovarianceAccumulator,
-    compute_results,
-    covariance_metrics,
-    head_covariance,
-    subsample_mask,
-)
+from hdi_monitor.functional.covariance import covariance_metrics, head_covariance, subsample_mask
+from hdi_monitor.measure.covariance import HeadCovarianceAccumulator, compute_results
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

@@ -23,13 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hdi_monitor.functional.covariance import subsample_mask
-from hdi_monitor.functional.kernel import (
-    KernelStatsAccumulator,
-    attention_kernel_stats,
-    compute_kernel_results,
-)
+from hdi_monitor.functional.kernel import attention_kernel_stats
+from hdi_monitor.measure.kernel import KernelStatsAccumulator, KernelStatsCapture, compute_kernel_results
 from hdi_monitor.models import discover_attention
-from hdi_monitor.models.kernel_capture import KernelCall, KernelCapture, KernelStatsCapture
+from hdi_monitor.models.kernel_capture import KernelCall, KernelCapture
 
 transformers = pytest.importorskip("transformers")
 

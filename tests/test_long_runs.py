@@ -18,8 +18,8 @@ from torch import nn
 
 from hdi_monitor import HDITracker, head_diversity
 from hdi_monitor.exceptions import MonitoringWarning
+from hdi_monitor.measure.measurement import Series
 from hdi_monitor.monitor.history import History
-from hdi_monitor.monitor.record import Series
 from hdi_monitor.monitor.render import ImageJob, render_job
 from hdi_monitor.monitor.sinks import MemorySink
 
@@ -54,6 +54,7 @@ def test_record_round_trips_what_head_diversity_reports():
     assert m is not None and m.step == 0 and m.image_step
     row = tracker.history[-1]
     written = {tag: value for step, tag, value in sink.scalars if step == 0}
+    histograms = {tag: value for step, tag, value in sink.histograms if step == 0}
     for ref, got in zip(reference.layers, m.report.layers, strict=True):
         assert got.name == ref.name
         for p in PROJECTIONS:
@@ -64,8 +65,10 @@ def test_record_round_trips_what_head_diversity_reports():
             # one value, three readers: the record, the history (typed key), the tags written
             assert tracker.history.column(Series("hdi", p, ref.name))[-1] == got.hdi[p]
             assert row[f"hdi/{p}/{ref.name}"] == written[f"hdi/{p}/{ref.name}"] == got.hdi[p]
-            # angles from the same weight read: C(4, 2) pairs x 4 angles, all in [0, 90]
-            assert got.angles[p].numel() == 6 * 4 and got.angles[p].min() >= 0 and got.angles[p].max() <= 90 + 1e-4
+            # angles from the same weight read, their own result (the record is not changed after it is
+            # made): the worker's histogram of C(4, 2) pairs x 4 angles, all in [0, 90]
+            angles = histograms[f"principal_angles_deg/{p}/{ref.name}"]
+            assert angles.numel() == 6 * 4 and angles.min() >= 0 and angles.max() <= 90 + 1e-4
         assert got.effective_heads == pytest.approx(ref.effective_heads, rel=1e-6)
         assert got.mean_correlation == pytest.approx(ref.mean_correlation, rel=1e-6, abs=1e-7)
         assert got.variance_ratio == pytest.approx(ref.variance_ratio, rel=1e-6)

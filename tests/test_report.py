@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+from hdi_monitor.measure.oneshot import head_diversity
 from hdi_monitor.models import AttentionSpec, find_attention_layers
-from hdi_monitor.report import DiversityReport, LayerDiversity, compute_report, head_diversity
+from hdi_monitor.report import DiversityReport, LayerDiversity, compute_report
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

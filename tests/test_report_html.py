@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import re
 from dataclasses import dataclass
 from html.parser import HTMLParser
@@ -119,14 +120,14 @@ def test_not_measured_section_lists_skipped_modules(tmp_path):
         SkippedModule("blocks.3.attn", "FancyAttention", "unknown layout: no q/k/v projections found"),
         SkippedModule("blocks.<4>.attn", "Weird&Co", "fused QKV of unknown order"),
     ]
-    report.skipped = skipped  # what DiversityReport.skipped holds
+    report = dataclasses.replace(report, skipped=skipped)  # what DiversityReport.skipped holds
     page = Page(write_report(report, tmp_path / "a").html.read_text())
     assert "Not measured" in page.h2
     header = ["module", "class", "reason"]
     i = page.rows.index(header)
     assert page.rows[i + 1 : i + 3] == [[s.name, s.class_name, s.reason] for s in skipped]
 
-    report.skipped = []
+    report = dataclasses.replace(report, skipped=[])
     page = Page(write_report(report, tmp_path / "b").html.read_text())
     assert "Not measured" in page.h2 and header not in page.rows
     assert "every attention-like module that was found is measured" in "".join(page.text)

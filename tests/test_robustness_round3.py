@@ -568,7 +568,7 @@ _PIPELINE = (
 
 
 def _fp(**kw):
-    from hdi_monitor.monitor.ranks import fingerprint
+    from hdi_monitor.measure.ranks import fingerprint
 
     layers = kw.pop("layers", None)
     if layers is None:
@@ -585,7 +585,7 @@ def _fp(**kw):
 
 
 def test_rank_fingerprints_name_the_setting_that_differs():
-    from hdi_monitor.monitor.ranks import check_ranks_agree, digest, disagreement
+    from hdi_monitor.measure.ranks import check_ranks_agree, digest, disagreement
 
     a = _fp()
     assert disagreement([a, dict(a)]) is None

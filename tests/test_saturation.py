@@ -16,14 +16,10 @@ import pytest
 import torch
 from scipy import stats
 
-from hdi_monitor.monitor.detector import (
-    DiversityEvent,
-    DiversityWarning,
-    KernelDetector,
-    SaturationDetector,
-    redundant_pairs,
-    theil_sen_slope,
-)
+from hdi_monitor.events import DiversityEvent
+from hdi_monitor.exceptions import DiversityWarning
+from hdi_monitor.monitor.detector import SaturationDetector, redundant_pairs, theil_sen_slope
+from hdi_monitor.monitor.kernel_detector import KernelDetector
 
 LAYER = "encoder.layer.3.attention.self"
 CHANCE = 0.923
@@ -123,14 +119,9 @@ def test_one_warning_class_whatever_the_import_path():
     import hdi_monitor
     import hdi_monitor.exceptions
     import hdi_monitor.monitor._warnings
-    import hdi_monitor.monitor.detector
 
     assert DiversityWarning is hdi_monitor.DiversityWarning is hdi_monitor.exceptions.DiversityWarning
-    assert (
-        hdi_monitor.monitor.detector.DiversityWarning
-        is hdi_monitor.monitor._warnings.DiversityWarning
-        is DiversityWarning
-    )
+    assert hdi_monitor.monitor._warnings.DiversityWarning is DiversityWarning
 
 
 # ---------------------------------------------------------------------------- saturation

@@ -12,8 +12,8 @@ from torch import nn
 
 import hdi_monitor.monitor.tracker as tracker_mod
 from hdi_monitor import HDIMonitor, HDITracker, head_diversity
-from hdi_monitor.models import AttentionSpec
-from hdi_monitor.monitor import ranks
+from hdi_monitor.measure import ranks
+from hdi_monitor.models import AttentionSpec, find_attention_layers
 
 
 def encoder(seed: int = 0) -> nn.Module:
@@ -96,7 +96,7 @@ def test_measurements_ignore_autocast():
 
 def test_mha_recompute_is_float32_under_autocast():
     model = encoder()
-    layer = tracker_mod.find_attention_layers(model)[0]
+    layer = find_attention_layers(model)[0]
     seen = []
     handle = layer.attach_output_hook(lambda o, keep: seen.append(o.dtype))
     try:
@@ -269,7 +269,8 @@ class _BrokenSink:
 
 def _flat_run(sinks, steps=6):
     """lr = 0 (weights never change): saturation fires once the window is full."""
-    from hdi_monitor.monitor.detector import DiversityWarning, SaturationDetector
+    from hdi_monitor.exceptions import DiversityWarning
+    from hdi_monitor.monitor.detector import SaturationDetector
 
     model = encoder()
     tracker = HDITracker(

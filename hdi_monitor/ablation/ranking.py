@@ -84,7 +84,7 @@ def head_similarity(
     Raises:
         ValueError: no view at all (no projection and no inputs).
     """
-    from hdi_monitor.report import head_diversity
+    from hdi_monitor.measure.oneshot import head_diversity
 
     projections = tuple(projections)
     if not projections and inputs is None:

@@ -505,7 +505,7 @@ def measure(
     """The report of `head_diversity` (the same call, ``layer_filter`` is its ``layers``), with
     ``progress`` called as it goes: one per layer and projection, then one per batch of
     ``inputs``."""
-    from hdi_monitor.report import head_diversity
+    from hdi_monitor.measure.oneshot import head_diversity
 
     try:
         return head_diversity(

@@ -34,7 +34,7 @@ the Trainer calls (``trainer.model_wrapped``), and on measured updates only a fo
 that wrapper (outside the compiled code) runs, before each micro-batch's compiled call, a **side
 forward** of the uncompiled ``model`` on the same batch: no grad, eval mode (no dropout), every
 random generator restored, with the head-output hooks on only meanwhile
-(`hdi_monitor.monitor.compiled`). The compiled graph, its guards and the training are those of
+(`hdi_monitor.measure.compiled`). The compiled graph, its guards and the training are those of
 the run without the callback (same graph and graph-break counts, bit-identical weights). The cost
 is one extra eager forward, without backward, per micro-batch of a measured update; the head
 outputs are those of that eval-mode forward (without dropout), which is what `head_diversity`
@@ -71,11 +71,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 import os
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import datetime
 from types import FrameType
 from typing import Any
@@ -83,15 +84,14 @@ from typing import Any
 from torch import nn
 
 from hdi_monitor._validation import check_bool
+from hdi_monitor.config import DEFAULTS
 from hdi_monitor.exceptions import MonitoringWarning
-from hdi_monitor.functional.diversity import Weighting
-from hdi_monitor.models.spec import AttentionSpec
+from hdi_monitor.integrations._settings import MonitorSettings
+from hdi_monitor.measure.compiled import called_through, compiled_units
+from hdi_monitor.measure.measurement import Measurement
 from hdi_monitor.monitor._warnings import warn
-from hdi_monitor.monitor.compiled import called_through, compiled_units
-from hdi_monitor.monitor.config import DEFAULTS, DetectorArg, EventAction, MonitorConfig, check_detector
 from hdi_monitor.monitor.history import History
-from hdi_monitor.monitor.tracker import HDITracker, Measurement
-from hdi_monitor.report import Projection
+from hdi_monitor.monitor.tracker import HDITracker
 
 try:
     from transformers import TrainerCallback
@@ -188,57 +188,18 @@ def _json_ready(value: Any) -> bool:
     return True
 
 
-class HDITrainerCallback(TrainerCallback, ExportableState):
+class HDITrainerCallback(MonitorSettings, TrainerCallback, ExportableState):
     """Measure attention-head diversity every ``every_n_steps`` optimizer updates of a ``Trainer``.
 
     Updates ``k`` with ``k % every_n_steps == 0`` are measured (``k = state.global_step`` after the
     update, the step the Trainer logs that update's loss at).
 
+    Settings: every argument of `hdi_monitor.integrations._settings.MonitorSettings` (the
+    `MonitorConfig` fields, ``detector``, ``activation_detector`` and ``state_key``), named in the
+    signature, with the defaults of `hdi_monitor.config.DEFAULTS`. Each ``trainer.train()`` gets
+    untouched copies of the detectors. Besides them:
+
     Args:
-        every_n_steps: measure at optimizer steps ``0, N, 2N, ...``; nothing runs in between.
-        projections: which of ``"query"``, ``"key"``, ``"value"``, ``"output"`` to measure (all
-            four by default).
-        weighting: ``"spectral"`` (default, no SVD) or ``"uniform"`` subspace overlap.
-        layers: keep only these attention layers: a regex searched in the qualified module names,
-            or a sequence of exact names. None watches every layer.
-        spec: an `AttentionSpec`, or a list of them, for layouts no built-in family knows; specs
-            combine with the built-in families (a spec wins where both match).
-        log_images_every_n_steps: overlap/correlation heatmaps and principal-angle histograms every
-            this many steps (default ``10 * every_n_steps``; 0 turns them off).
-        activations: also capture the measured step's head outputs (covariance, effective heads).
-        max_tokens: at most this many tokens per layer per measured step (a random subsample
-            drawn with the monitor's own generator), shared evenly between the layer's calls in
-            the step (micro-batches, a layer applied several times) as counted at the previous
-            measured step; None keeps every token.
-        on_saturation: ``"warn"`` (one `DiversityWarning` per measured step with events),
-            ``"stop"`` (warn, and stop training on saturation or collapse) or a callable that
-            receives each `DiversityEvent`.
-        strict: raise internal errors instead of turning them into warnings (for tests).
-        seed: seed of the monitor's own ``torch.Generator`` (the token subsample). The global
-            generators are never drawn from, so training is bit-identical with and without the
-            monitor; the generator state is saved with the monitor's state for resume.
-        loss_tag: the scalar tag of the training loss charted beside the HDI in the Custom
-            Scalars tab (e.g. ``"train_loss"``); None charts every tag whose last word is ``loss``,
-            except validation, evaluation and test losses (``val_loss``, ``eval/loss``).
-        max_image_layers: at most this many layers per tiled overlap/correlation image (with more,
-            the layers whose HDI moved most since the last image step).
-        max_histogram_layers: layers with a principal-angle histogram of their own; with more,
-            adjacent layers are grouped into this many histograms.
-        history_budget: measured steps kept in the history, the checkpoint and the diversity
-            map's columns (at least 4): the newest half in full, older ones downsampled (see
-            `hdi_monitor.monitor.history.History`); memory stays flat however long the run.
-        image_queue_size: image steps waiting to be drawn on the background thread at most; an
-            image step that finds the queue full has its pictures dropped (noted in a warning),
-            so drawing never holds the training step.
-        kernel_stats: also measure each head's attention kernel on measured steps (opt-in): the
-            attention entropy (with its uniform level ``ln(n_keys)``) and the maximum attention
-            logit, from the queries and keys the attention kernel receives (at most ``max_tokens``
-            queries per kernel call); layers whose kernel cannot be reached are named.
-        detector: the early-warning detector of the HDI series: a configured
-            `SaturationDetector`, ``"default"`` (``SaturationDetector()``) or None (off). Each
-            ``trainer.train()`` gets an untouched copy.
-        activation_detector: the detector of the effective-heads series; ``"default"`` derives
-            it from ``detector`` (thresholds in heads), off when ``detector`` is None.
         measure_at_start: also measure the initial weights at step 0 (weights only).
         writer: a ``SummaryWriter`` to write to; by default the Trainer's TensorBoard writer.
         log_dir: where to create a ``SummaryWriter`` when ``writer`` is None and the Trainer has
@@ -257,54 +218,13 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
         self,
         every_n_steps: int = DEFAULTS.every_n_steps,
         *,
-        projections: Sequence[Projection] = DEFAULTS.projections,
-        weighting: Weighting = DEFAULTS.weighting,
-        layers: str | Sequence[str] | None = DEFAULTS.layers,
-        spec: AttentionSpec | Sequence[AttentionSpec] | None = None,
-        log_images_every_n_steps: int | None = DEFAULTS.log_images_every_n_steps,
-        activations: bool = DEFAULTS.activations,
-        max_tokens: int | None = DEFAULTS.max_tokens,
-        on_saturation: EventAction = DEFAULTS.on_saturation,
-        strict: bool = DEFAULTS.strict,
-        seed: int = DEFAULTS.seed,
-        loss_tag: str | None = DEFAULTS.loss_tag,
-        max_image_layers: int = DEFAULTS.max_image_layers,
-        max_histogram_layers: int = DEFAULTS.max_histogram_layers,
-        history_budget: int = DEFAULTS.history_budget,
-        image_queue_size: int = DEFAULTS.image_queue_size,
-        kernel_stats: bool = DEFAULTS.kernel_stats,
-        detector: DetectorArg = "default",
-        activation_detector: DetectorArg = "default",
         measure_at_start: bool = True,
         writer: Any = None,
         log_dir: str | os.PathLike[str] | None = None,
+        **settings: Any,
     ) -> None:
-        if isinstance(every_n_steps, MonitorConfig):
-            raise TypeError(
-                "HDITrainerCallback takes its settings as arguments; pass a MonitorConfig with "
-                "HDITrainerCallback.from_config"
-            )
-        self.config = MonitorConfig(
-            every_n_steps=every_n_steps,
-            projections=tuple(projections) if isinstance(projections, list) else projections,  # type: ignore[arg-type]
-            weighting=weighting,
-            layers=tuple(layers) if isinstance(layers, list) else layers,  # type: ignore[arg-type]
-            spec=tuple(spec) if isinstance(spec, list) else spec,  # type: ignore[arg-type]
-            log_images_every_n_steps=log_images_every_n_steps,
-            activations=activations,
-            max_tokens=max_tokens,
-            on_saturation=on_saturation,
-            strict=strict,
-            seed=seed,
-            loss_tag=loss_tag,
-            max_image_layers=max_image_layers,
-            max_histogram_layers=max_histogram_layers,
-            history_budget=history_budget,
-            image_queue_size=image_queue_size,
-            kernel_stats=kernel_stats,
-        )
-        self.detector = check_detector("detector", detector)
-        self.activation_detector = check_detector("activation_detector", activation_detector)
+        super().__init__(every_n_steps, **settings)
+        detector, activation_detector = self.detector, self.activation_detector
         check_bool("measure_at_start", measure_at_start)
         if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
             raise TypeError(f"log_dir must be a path or None, got {type(log_dir).__name__}")
@@ -331,14 +251,6 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
         self._compiled_root = False  # the model's forward runs compiled: no hook on it, side forwards
         self._measuring: int | None = None  # the step whose forward passes are being captured
         self._restored_state: dict[str, Any] | None = None  # from a checkpoint, applied in on_train_begin
-
-    @classmethod
-    def from_config(cls, config: MonitorConfig, **kwargs: Any) -> HDITrainerCallback:
-        """An `HDITrainerCallback` with the settings of a finished `MonitorConfig`; ``kwargs`` are
-        the constructor's other arguments (``detector``, ``writer``, ...)."""
-        if not isinstance(config, MonitorConfig):
-            raise TypeError(f"config must be a MonitorConfig, got {type(config).__name__}")
-        return cls(**config.to_dict(), **kwargs)
 
     # ------------------------------------------------------------------ checkpoint state
     def state(self) -> dict[str, Any]:
@@ -497,3 +409,15 @@ class HDITrainerCallback(TrainerCallback, ExportableState):
     def _check_stop(self, control: Any) -> None:
         if self.config.on_saturation == "stop" and self.tracker is not None and self.tracker.stop_requested:
             control.should_training_stop = True
+
+
+def _merged_signature() -> inspect.Signature:
+    """The settings of `MonitorSettings` and the callback's own arguments, as one signature (what
+    ``help()`` and ``inspect.signature`` show)."""
+    own = inspect.signature(HDITrainerCallback.__init__).parameters
+    base = inspect.signature(MonitorSettings.__init__).parameters
+    extra = [p for name, p in own.items() if name not in ("self", "every_n_steps", "settings")]
+    return inspect.Signature([*base.values(), *extra])
+
+
+HDITrainerCallback.__init__.__signature__ = _merged_signature()  # type: ignore[attr-defined]

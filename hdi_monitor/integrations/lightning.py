@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import math
 import weakref
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,37 +25,34 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from hdi_monitor.functional.diversity import Weighting
+from hdi_monitor.integrations._settings import MonitorSettings
 from hdi_monitor.integrations.loggers import sinks_for_loggers
+from hdi_monitor.measure.measurement import Measurement
 from hdi_monitor.models.sharding import contains_fsdp1
-from hdi_monitor.models.spec import AttentionSpec
-from hdi_monitor.monitor.config import DEFAULTS, DetectorArg, EventAction, MonitorConfig, check_detector
 from hdi_monitor.monitor.history import History
-from hdi_monitor.monitor.tracker import HDITracker, Measurement
-from hdi_monitor.report import Projection
+from hdi_monitor.monitor.tracker import HDITracker
 
 __all__ = ["HDIMonitor", "published_metrics"]
 
 
-def published_metrics(scalars: Mapping[str, float]) -> dict[str, float]:
+def published_metrics(measurement: Measurement) -> dict[str, float]:
     """The scalars of a measurement that `HDIMonitor` also puts in ``trainer.callback_metrics``,
-    under their logged names: the model-mean HDI per projection (``hdi/<projection>/mean``), the
-    mean effective heads (``effective_heads/mean``) and the event counts
-    (``diversity_events/<kind>``). Non-finite values are left out."""
+    under their logged names, chosen by typed key (no tag is parsed): the model-mean HDI per
+    projection (``hdi/<projection>/mean``), the mean effective heads (``effective_heads/mean``) and
+    the event counts (``diversity_events/<kind>``). Non-finite values are left out."""
     out: dict[str, float] = {}
-    for tag, value in scalars.items():
-        parts = tag.split("/")
+    for key, value in measurement.series.items():
         wanted = (
-            (len(parts) == 3 and parts[0] == "hdi" and parts[2] == "mean")
-            or tag == "effective_heads/mean"
-            or (len(parts) == 2 and parts[0] == "diversity_events")
+            (key.family == "hdi" and key.layer is None and key.stat == "mean")
+            or (key.family == "effective_heads" and key.layer is None and key.stat == "mean")
+            or key.family == "diversity_events"
         )
         if wanted and math.isfinite(float(value)):
-            out[tag] = float(value)
+            out[key.tag] = float(value)
     return out
 
 
-class HDIMonitor(Callback):
+class HDIMonitor(MonitorSettings, Callback):
     """Measure attention-head diversity every ``every_n_steps`` optimizer steps and log it.
 
     Quick start:
@@ -86,60 +82,12 @@ class HDIMonitor(Callback):
     and ``ModelCheckpoint(monitor="hdi/key/mean", mode="max")`` work on them; between measured
     steps they keep the last measured value.
 
-    Args:
-        every_n_steps: measure at optimizer steps ``0, N, 2N, ...``; nothing runs in between.
-        projections: which of ``"query"``, ``"key"``, ``"value"``, ``"output"`` to measure (all
-            four by default).
-        weighting: ``"spectral"`` (default, no SVD) or ``"uniform"`` subspace overlap.
-        layers: keep only these attention layers: a regex searched in the qualified module names,
-            or a sequence of exact names. None watches every layer.
-        spec: an `AttentionSpec`, or a list of them, for layouts no built-in family knows; specs
-            combine with the built-in families (a spec wins where both match).
-        log_images_every_n_steps: overlap/correlation heatmaps and principal-angle histograms every
-            this many steps (default ``10 * every_n_steps``; 0 turns them off).
-        activations: also capture the measured step's head outputs (covariance, effective heads).
-        max_tokens: at most this many tokens per layer per measured step (a random subsample
-            drawn with the monitor's own generator), shared evenly between the layer's calls in
-            the step (micro-batches, a layer applied several times) as counted at the previous
-            measured step; None keeps every token.
-        on_saturation: ``"warn"`` (one `DiversityWarning` per measured step with events),
-            ``"stop"`` (warn, and stop training on saturation or collapse) or a callable that
-            receives each `DiversityEvent`.
-        strict: raise internal errors instead of turning them into warnings (for tests).
-        seed: seed of the monitor's own ``torch.Generator`` (the token subsample). The global
-            generators are never drawn from, so training is bit-identical with and without the
-            monitor; the generator state is saved with the monitor's state for resume.
-        loss_tag: the scalar tag of the training loss charted beside the HDI in the Custom
-            Scalars tab (e.g. ``"train_loss"``); None charts every tag whose last word is ``loss``,
-            except validation, evaluation and test losses (``val_loss``, ``eval/loss``).
-        max_image_layers: at most this many layers per tiled overlap/correlation image (with more,
-            the layers whose HDI moved most since the last image step).
-        max_histogram_layers: layers with a principal-angle histogram of their own; with more,
-            adjacent layers are grouped into this many histograms.
-        history_budget: measured steps kept in the history, the checkpoint and the diversity
-            map's columns (at least 4): the newest half in full, older ones downsampled (see
-            `hdi_monitor.monitor.history.History`); memory stays flat however long the run.
-        image_queue_size: image steps waiting to be drawn on the background thread at most; an
-            image step that finds the queue full has its pictures dropped (noted in a warning),
-            so drawing never holds the training step.
-        kernel_stats: also measure each head's attention kernel on measured steps (opt-in): the
-            attention entropy (with its uniform level ``ln(n_keys)``) and the maximum attention
-            logit, from the queries and keys the attention kernel receives (at most ``max_tokens``
-            queries per kernel call); layers whose kernel cannot be reached are named.
-        detector: the early-warning detector of the HDI series (saturation, collapse, redundant
-            pairs): a configured `SaturationDetector`, ``"default"`` (``SaturationDetector()``:
-            ``patience=10``, ``min_delta=0.002``, ``warmup_steps=1000``, ``collapse_delta=0.05``,
-            ``redundancy_threshold=0.9``) or None (no early warnings). Each new run gets an
-            untouched copy; the run's detector is `HDIMonitor.tracker`'s.
-        activation_detector: the detector of the effective-heads series, in heads;
-            ``"default"`` takes ``detector``'s ``patience``, ``warmup_steps`` and
-            ``redundancy_threshold`` with thresholds in heads
-            (``hdi_monitor.monitor.config.ACTIVATION_MIN_DELTA``, ``ACTIVATION_COLLAPSE_DELTA``),
-            and is off when ``detector`` is None.
-        state_key: tells two monitors apart in a checkpoint.
+    Settings: every argument of `hdi_monitor.integrations._settings.MonitorSettings` (the
+    `MonitorConfig` fields, ``detector``, ``activation_detector`` and ``state_key``), named in the
+    signature, with the defaults of `hdi_monitor.config.DEFAULTS`.
 
-    The defaults are those of `MonitorConfig` (`hdi_monitor.monitor.config.DEFAULTS`); a finished
-    `MonitorConfig` is passed with `HDIMonitor.from_config`. Every argument is checked here. What
+    A finished `MonitorConfig` is passed with `HDIMonitor.from_config`. Every argument is checked
+    when the callback is made. What
     needs the model is checked in ``setup``, before the first step: a model without a recognised
     attention layer, or a ``layers`` filter that matches none, raises a ``ValueError`` naming the
     model's modules (training has not started, so nothing is lost). Only failures during
@@ -150,78 +98,9 @@ class HDIMonitor(Callback):
     starts afresh unless it resumes from a checkpoint, which restores both.
     """
 
-    def __init__(
-        self,
-        every_n_steps: int = DEFAULTS.every_n_steps,
-        *,
-        projections: Sequence[Projection] = DEFAULTS.projections,
-        weighting: Weighting = DEFAULTS.weighting,
-        layers: str | Sequence[str] | None = DEFAULTS.layers,
-        spec: AttentionSpec | Sequence[AttentionSpec] | None = None,
-        log_images_every_n_steps: int | None = DEFAULTS.log_images_every_n_steps,
-        activations: bool = DEFAULTS.activations,
-        max_tokens: int | None = DEFAULTS.max_tokens,
-        on_saturation: EventAction = DEFAULTS.on_saturation,
-        strict: bool = DEFAULTS.strict,
-        seed: int = DEFAULTS.seed,
-        loss_tag: str | None = DEFAULTS.loss_tag,
-        max_image_layers: int = DEFAULTS.max_image_layers,
-        max_histogram_layers: int = DEFAULTS.max_histogram_layers,
-        history_budget: int = DEFAULTS.history_budget,
-        image_queue_size: int = DEFAULTS.image_queue_size,
-        kernel_stats: bool = DEFAULTS.kernel_stats,
-        detector: DetectorArg = "default",
-        activation_detector: DetectorArg = "default",
-        state_key: str | None = None,
-    ) -> None:
-        super().__init__()
-        if isinstance(every_n_steps, MonitorConfig):
-            raise TypeError(
-                "HDIMonitor takes its settings as arguments; pass a MonitorConfig with HDIMonitor.from_config"
-            )
-        if state_key is not None and not isinstance(state_key, str):
-            raise TypeError(f"state_key must be a string, got {type(state_key).__name__}")
-        # a literal MonitorConfig call naming every field (checked there, once)
-        self.config = MonitorConfig(
-            every_n_steps=every_n_steps,
-            projections=tuple(projections) if isinstance(projections, list) else projections,  # type: ignore[arg-type]
-            weighting=weighting,
-            layers=tuple(layers) if isinstance(layers, list) else layers,  # type: ignore[arg-type]
-            spec=tuple(spec) if isinstance(spec, list) else spec,  # type: ignore[arg-type]
-            log_images_every_n_steps=log_images_every_n_steps,
-            activations=activations,
-            max_tokens=max_tokens,
-            on_saturation=on_saturation,
-            strict=strict,
-            seed=seed,
-            loss_tag=loss_tag,
-            max_image_layers=max_image_layers,
-            max_histogram_layers=max_histogram_layers,
-            history_budget=history_budget,
-            image_queue_size=image_queue_size,
-            kernel_stats=kernel_stats,
-        )
-        self.detector = check_detector("detector", detector)
-        self.activation_detector = check_detector("activation_detector", activation_detector)
-        self._state_key = state_key
-        self.tracker: HDITracker | None = None
-        self._restored: dict[str, Any] | None = None
-        self._trainer: weakref.ref[pl.Trainer] | None = None  # the Trainer the tracker belongs to
-
-    @classmethod
-    def from_config(
-        cls,
-        config: MonitorConfig,
-        *,
-        detector: DetectorArg = "default",
-        activation_detector: DetectorArg = "default",
-        state_key: str | None = None,
-    ) -> HDIMonitor:
-        """An `HDIMonitor` with the settings of a finished `MonitorConfig` (e.g. one shared with
-        an `HDITracker`); the other arguments are those of the constructor."""
-        if not isinstance(config, MonitorConfig):
-            raise TypeError(f"config must be a MonitorConfig, got {type(config).__name__}")
-        return cls(**config.to_dict(), detector=detector, activation_detector=activation_detector, state_key=state_key)
+    tracker: HDITracker | None = None
+    _restored: dict[str, Any] | None = None
+    _trainer: weakref.ref[pl.Trainer] | None = None  # the Trainer the tracker belongs to
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -323,7 +202,7 @@ class HDIMonitor(Callback):
             return  # not a measured step (the same on every rank)
         if self.tracker.finish() is not None and (measurement := self.tracker.last_measurement) is not None:
             # what stock callbacks (EarlyStopping, ModelCheckpoint) read, under the logged names
-            for tag, value in published_metrics(measurement.scalars).items():
+            for tag, value in published_metrics(measurement).items():
                 trainer.callback_metrics[tag] = torch.tensor(value, dtype=torch.float64)
         if self.config.on_saturation == "stop":
             # collective: every rank measures the same steps, so every rank reaches this call

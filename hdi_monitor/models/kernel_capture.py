@@ -53,18 +53,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hdi_monitor._validation import check_instance, check_int
+from hdi_monitor._validation import check_instance
 from hdi_monitor.functional._numerics import no_autocast
-from hdi_monitor.functional.kernel import (
-    KernelStatsAccumulator,
-    KernelStatsResult,
-    compute_kernel_results,
-    default_kv_head_map,
-)
+from hdi_monitor.functional.kernel import default_kv_head_map
 from hdi_monitor.models.base import AttentionLayer, ErrorHandler
 from hdi_monitor.models.torch_mha import _MHA_ARGS, _keep_from_padding, mha_heads, unnest_self_attention
 
-__all__ = ["KernelCall", "KernelCapture", "KernelStatsCapture", "mha_query_key"]
+__all__ = ["KernelCall", "KernelCapture", "mha_query_key"]
 
 #: Keyword arguments of an attention function that change its softmax in ways the statistics do not
 #: model; a call that passes one of them (not None) is not measured and its layer is named.
@@ -492,89 +487,3 @@ class KernelCapture:
 
 def _detach(t: Any) -> Tensor | None:
     return t.detach() if isinstance(t, Tensor) else None
-
-
-class KernelStatsCapture:
-    """Kernel statistics of the watched layers over every forward pass run while the block is active.
-
-    A `KernelCapture` whose calls go into one `KernelStatsAccumulator` per layer.
-
-    Args:
-        layers: `AttentionLayer` objects or ``{name: module}``.
-        max_tokens: at most this many queries per kernel call (None: all).
-        generator: private generator for the query subsample (None: a CPU generator seeded with 0;
-            never the global one).
-        query_mask: optional ``(B, T)`` bool mask of real query tokens (the batch's padding mask);
-            applied to calls whose queries are ``(B, ·, T, ·)``. Change it between batches with
-            `set_query_mask`.
-        on_error: as for `KernelCapture`.
-
-    Example:
-        ```python
-        with KernelStatsCapture(layers, max_tokens=256, query_mask=batch["attention_mask"].bool()) as cap:
-            model(**batch)
-        results = cap.results()   # {layer name: KernelStatsResult}
-        cap.unreachable           # [(layer name, reason)]
-        ```
-    """
-
-    def __init__(
-        self,
-        layers: Sequence[AttentionLayer] | Mapping[str, nn.Module],
-        *,
-        max_tokens: int | None = None,
-        generator: torch.Generator | None = None,
-        query_mask: Tensor | None = None,
-        on_error: ErrorHandler | None = None,
-    ) -> None:
-        self.max_tokens = None if max_tokens is None else check_int("max_tokens", max_tokens)
-        check_instance("generator", generator, torch.Generator, optional=True)
-        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
-        self.accumulators: dict[str, KernelStatsAccumulator] = {}
-        self.set_query_mask(query_mask)
-        self._capture = KernelCapture(layers, self._on_call, on_error=on_error)
-
-    def set_query_mask(self, query_mask: Tensor | None) -> None:
-        """Use ``query_mask`` (``(B, T)`` bool, True = real token) for the following calls."""
-        if query_mask is not None and (not isinstance(query_mask, Tensor) or query_mask.dtype != torch.bool):
-            raise TypeError("query_mask must be a bool tensor (True = real token) or None")
-        self.query_mask = query_mask
-
-    def _on_call(self, call: KernelCall) -> None:
-        b, h, t, _ = call.q.shape
-        acc = self.accumulators.get(call.layer)
-        if acc is None:
-            acc = self.accumulators[call.layer] = KernelStatsAccumulator(
-                h, max_tokens=self.max_tokens, generator=self.generator
-            )
-        keep = self.query_mask
-        if keep is not None and tuple(keep.shape) != (b, t):
-            keep = None
-        if call.query_keep is not None:
-            keep = call.query_keep if keep is None else keep & call.query_keep
-        acc.update(
-            call.q,
-            call.k,
-            scale=call.scale,
-            mask=call.mask,
-            is_causal=call.is_causal,
-            query_keep=keep,
-            kv_head_map=call.kv_head_map,
-        )
-
-    @property
-    def unreachable(self) -> list[tuple[str, str]]:
-        """See `KernelCapture.unreachable`."""
-        return self._capture.unreachable
-
-    def results(self) -> dict[str, KernelStatsResult]:
-        """``{layer: KernelStatsResult}`` for the layers measured so far (one host transfer per device)."""
-        names = list(self.accumulators)
-        return dict(zip(names, compute_kernel_results([self.accumulators[n] for n in names]), strict=True))
-
-    def __enter__(self) -> KernelStatsCapture:
-        self._capture.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._capture.__exit__(*exc)

@@ -49,7 +49,6 @@ __all__ = [
     "is_dtensor",
     "is_zero3_param",
     "logical_shape",
-    "sync_data_parallel",
     "tensor_parallel_of",
     "tp_head_counts",
     "zero3_params",
@@ -427,15 +426,3 @@ def check_same_layers(layers: Any, group: Any = None) -> None:
             "or a model that differs between ranks); statistics are not summed across them. Under pipeline "
             "parallelism measure weights only (activations=False)"
         )
-
-
-def sync_data_parallel(accumulators: Any, layers: Any) -> None:
-    """`hdi_monitor.functional.covariance.sync_accumulators` over the data-parallel ranks of
-    ``layers`` only (`data_parallel_group`), after `check_same_layers` over the same ranks; the
-    tracker's one call before computing results."""
-    from hdi_monitor.functional.covariance import sync_accumulators
-
-    reduce, group = data_parallel_group(layers)
-    if reduce:
-        check_same_layers(layers, group)
-        sync_accumulators(accumulators, group)

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+from hdi_monitor.events import DiversityEvent
 from hdi_monitor.exceptions import DiversityWarning
-from hdi_monitor.monitor.detector import DiversityEvent
 
 __all__ = ["dispatch_events", "summarize_events", "warn"]
 

@@ -32,9 +32,9 @@ from typing import Any, TypedDict
 import torch
 from torch import Tensor
 
-from hdi_monitor.monitor.detector import DIVERSITY_EVENT_KINDS, KERNEL_EVENT_KINDS, DiversityEvent
+from hdi_monitor.events import DIVERSITY_EVENT_KINDS, KERNEL_EVENT_KINDS, DiversityEvent
+from hdi_monitor.measure.measurement import Series
 from hdi_monitor.monitor.history import History
-from hdi_monitor.monitor.record import Series
 from hdi_monitor.monitor.render import ImageJob, MapPanel, TilePanel
 from hdi_monitor.report import ACTIVATIONS, DiversityReport
 

@@ -25,9 +25,10 @@ count:
   at least ``redundancy_threshold``. Fires when the set of redundant pairs first becomes non-empty and
   again whenever it contains a pair not reported before. Each event lists all current pairs.
 
-Kernel statistics (opt-in, `KernelDetector`, fed each layer's mean over heads): **entropy_collapse**
-(the attention entropy falls below a fraction of its best) and **logit_blowup** (the maximum
-attention logit passes a threshold or grows by a factor within a window).
+Kernel statistics (opt-in, `hdi_monitor.monitor.kernel_detector.KernelDetector`, fed each layer's
+mean over heads): **entropy_collapse** (the attention entropy falls below a fraction of its best)
+and **logit_blowup** (the maximum attention logit passes a threshold or grows by a factor within a
+window). The events are `hdi_monitor.events.DiversityEvent` records.
 
 The defaults were checked by ``benchmarks/warnings_study.py`` (30 small language models trained on
 real text, each event scored against what the held-out loss did next; see
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,36 +46,20 @@ import torch
 from torch import Tensor
 
 from hdi_monitor._validation import check_choice, check_index, check_int, check_real
-from hdi_monitor.exceptions import DiversityWarning
+from hdi_monitor.events import METRICS, PROJECTIONS, DiversityEvent, EventKind, Metric, Projection
 
 __all__ = [
-    "feed_report",
-    "DiversityWarning",
-    "DiversityEvent",
+    "ACTIVATION_COLLAPSE_DELTA",
+    "ACTIVATION_MIN_DELTA",
+    "DetectorArg",
+    "MAX_KEPT_EVENTS",
+    "check_detector",
+    "resolve_detectors",
     "SaturationDetector",
     "redundant_pairs",
     "theil_sen_slope",
-    "EVENT_KINDS",
-    "DIVERSITY_EVENT_KINDS",
-    "KERNEL_EVENT_KINDS",
-    "KernelDetector",
-    "PROJECTIONS",
-    "METRICS",
-    "EventKind",
-    "Metric",
-    "Projection",
 ]
 
-EventKind = Literal["saturation", "collapse", "redundancy", "entropy_collapse", "logit_blowup"]
-Projection = Literal["query", "key", "value", "output", "activations", "kernel"]
-Metric = Literal["hdi", "effective_heads", "attention_entropy", "max_attention_logit"]
-#: The kinds of the diversity detector (`SaturationDetector`).
-DIVERSITY_EVENT_KINDS: tuple[EventKind, ...] = ("saturation", "collapse", "redundancy")
-#: The kinds of the kernel-statistics detector (`KernelDetector`; only with ``kernel_stats`` on).
-KERNEL_EVENT_KINDS: tuple[EventKind, ...] = ("entropy_collapse", "logit_blowup")
-EVENT_KINDS: tuple[EventKind, ...] = DIVERSITY_EVENT_KINDS + KERNEL_EVENT_KINDS
-PROJECTIONS: tuple[Projection, ...] = ("query", "key", "value", "output", "activations", "kernel")
-METRICS: tuple[Metric, ...] = ("hdi", "effective_heads", "attention_entropy", "max_attention_logit")
 
 _Key = tuple[str, Projection, Metric]  # one series: (layer, projection, metric)
 
@@ -87,72 +71,6 @@ _METRIC_NAMES = {
     "attention_entropy": "attention entropy",
     "max_attention_logit": "maximum attention logit",
 }
-
-
-@dataclass(frozen=True)
-class DiversityEvent:
-    """One early-warning event for a layer (or the model mean) and projection.
-
-    Attributes:
-        kind: ``"saturation"``, ``"collapse"``, ``"redundancy"`` (`SaturationDetector`), or
-            ``"entropy_collapse"``, ``"logit_blowup"`` (`KernelDetector`).
-        layer: qualified module name of the attention layer, or ``"mean"`` for the model mean.
-        projection: ``"query"``, ``"key"``, ``"value"``, ``"output"``, ``"activations"``, or
-            ``"kernel"`` (kernel statistics).
-        metric: ``"hdi"``, ``"effective_heads"``, ``"attention_entropy"`` or
-            ``"max_attention_logit"``.
-        step: training step of the measurement that triggered the event.
-        value: the measured value at ``step`` (NaN for a redundancy event whose measurement had no
-            value).
-        best: best (highest) value of the series so far; None when no value was recorded (and for
-            ``logit_blowup``).
-        chance: chance level of the metric when the caller knows it (for ``entropy_collapse``: the
-            uniform-attention level ``ln(n_keys)``).
-        pairs: ``(i, j, overlap_or_correlation)`` with ``i < j``, strongest first (redundancy only).
-        message: one readable sentence with the numbers and a suggestion.
-    """
-
-    kind: EventKind
-    layer: str
-    projection: Projection
-    metric: Metric
-    step: int
-    value: float
-    best: float | None
-    chance: float | None
-    pairs: tuple[tuple[int, int, float], ...] = ()
-    message: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain, JSON-ready dict (``pairs`` as a list of ``[i, j, value]`` lists)."""
-        return {
-            "kind": self.kind,
-            "layer": self.layer,
-            "projection": self.projection,
-            "metric": self.metric,
-            "step": self.step,
-            "value": self.value,
-            "best": self.best,
-            "chance": self.chance,
-            "pairs": [[i, j, v] for i, j, v in self.pairs],
-            "message": self.message,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DiversityEvent:
-        """Inverse of `to_dict`."""
-        return cls(
-            kind=check_choice("kind", data["kind"], EVENT_KINDS),
-            layer=str(data["layer"]),
-            projection=check_choice("projection", data["projection"], PROJECTIONS),
-            metric=check_choice("metric", data["metric"], METRICS),
-            step=int(data["step"]),
-            value=float(data["value"]),
-            best=None if data["best"] is None else float(data["best"]),
-            chance=None if data["chance"] is None else float(data["chance"]),
-            pairs=tuple((int(i), int(j), float(v)) for i, j, v in data.get("pairs", ())),
-            message=str(data.get("message", "")),
-        )
 
 
 def theil_sen_slope(x: list[float], y: list[float]) -> float:
@@ -599,251 +517,52 @@ class SaturationDetector:
         )
 
 
-_KERNEL_STATE_VERSION = 1
+#: Effective-heads series: a rise of less than this many heads is no improvement.
+ACTIVATION_MIN_DELTA = 0.05
+#: Effective-heads series: losing more than this many effective heads from the best is a collapse.
+ACTIVATION_COLLAPSE_DELTA = 1.0
+#: A detector argument: a configured detector, None (off), or ``"default"``.
+DetectorArg = SaturationDetector | Literal["default"] | None
 
 
-class KernelDetector:
-    """Early warnings from the kernel statistics: entropy collapse and logit blow-up.
+def check_detector(name: str, value: Any) -> Any:
+    """``value`` if it is a `SaturationDetector`, ``"default"`` or None, else TypeError."""
+    if (
+        value is not None
+        and not isinstance(value, SaturationDetector)
+        and not (isinstance(value, str) and value == "default")
+    ):
+        raise TypeError(f"{name} must be a SaturationDetector, 'default' or None, got {type(value).__name__} {value!r}")
+    return value
 
-    Fed one layer's kernel statistics per measured step (the mean attention entropy over heads,
-    its uniform level and the largest attention logit over heads); returns the new events. Pure
-    Python, like `SaturationDetector`, with plain-Python state.
 
-    * **entropy_collapse**: after warmup, the layer's mean attention entropy falls below
-      ``entropy_fraction`` times its best (highest) value so far (attention-entropy collapse,
-      which precedes loss spikes at high learning rates without QK-norm: Zhai et al. 2023).
-    * **logit_blowup**: after warmup, the layer's maximum attention logit exceeds
-      ``logit_threshold``, or is at least ``min_logit`` and ``logit_growth`` times the value
-      ``patience`` measurements earlier (which must be positive) (Wortsman et al. 2023; what
-      qk-clip guards against).
+def resolve_detectors(
+    detector: DetectorArg, activation_detector: DetectorArg, *, activations: bool = True
+) -> tuple[SaturationDetector | None, SaturationDetector | None]:
+    """The two detectors a tracker uses, from its ``detector`` arguments (given objects are used
+    as they are, not copied).
 
-    Each fires once per layer (a run that collapses has been told). The defaults come from the
-    warnings study (``benchmarks/warnings_study.py``, ``docs/early-warnings.md``): at
-    ``entropy_fraction=0.2`` and ``logit_threshold=500`` every run flagged (7 of 30) spiked after the
-    first event and no run that never spiked was flagged, where the first guesses (0.5; 50 or a
-    fourfold growth) flagged 18 and 10 of the 22 runs that never spiked. They tell unstable runs
-    apart rather than time the next spike (in a 100-step window they do no better than chance). The
-    growth rule is effectively off (``logit_growth=100``): a fourfold growth also flagged runs that
-    never spiked.
-
-    Args:
-        warmup_steps: measurements at training steps below this are ignored entirely.
-        entropy_fraction: in ``(0, 1)``: entropy collapse below this fraction of the best.
-        logit_threshold: a maximum logit above this is a blow-up.
-        logit_growth: ``> 1``: growth by this factor within the window is a blow-up.
-        patience: the window, in measurements, over which growth is judged.
-        min_logit: growth only counts once the maximum logit is at least this.
+    * ``detector`` watches the HDI series. ``"default"`` is ``SaturationDetector()`` (the
+      defaults of Lightning's EarlyStopping vocabulary: ``patience=10``, ``min_delta=0.002``,
+      ``warmup_steps=1000``, ...); None turns HDI early warnings off.
+    * ``activation_detector`` watches the effective-heads series (counted in heads) and redundant
+      head pairs by output correlation. ``"default"`` derives it from the HDI detector: the same
+      ``patience``, ``warmup_steps`` and ``redundancy_threshold``, with the thresholds in heads
+      (`ACTIVATION_MIN_DELTA`, `ACTIVATION_COLLAPSE_DELTA`); it is None when ``detector`` is None
+      or ``activations`` is off. Pass a `SaturationDetector` to configure it on its own.
     """
-
-    def __init__(
-        self,
-        *,
-        warmup_steps: int = 1000,
-        entropy_fraction: float = 0.2,
-        logit_threshold: float = 500.0,
-        logit_growth: float = 100.0,
-        patience: int = 10,
-        min_logit: float = 10.0,
-    ) -> None:
-        self.warmup_steps = check_int("warmup_steps", check_index("warmup_steps", warmup_steps), low=0)
-        self.entropy_fraction = check_real(
-            "entropy_fraction", entropy_fraction, low=0.0, high=1.0, low_open=True, high_open=True
-        )
-        self.logit_threshold = check_real("logit_threshold", logit_threshold)
-        self.logit_growth = check_real("logit_growth", logit_growth, low=1.0, low_open=True)
-        self.patience = check_int("patience", check_index("patience", patience))
-        self.min_logit = check_real("min_logit", min_logit)
-        self._best: dict[str, float] = {}  # layer -> best mean entropy after warmup
-        self._logits: dict[str, list[float]] = {}  # layer -> last patience + 1 maximum logits
-        self._fired: set[tuple[str, str]] = set()  # (layer, kind) already reported
-        self._last_step: dict[str, int] = {}
-        self._events: list[DiversityEvent] = []
-
-    @property
-    def events(self) -> tuple[DiversityEvent, ...]:
-        """The events issued so far (the last `MAX_KEPT_EVENTS`)."""
-        return tuple(self._events)
-
-    def best_entropy(self, layer: str) -> float | None:
-        """The highest mean entropy of ``layer`` after warmup, or None."""
-        return self._best.get(layer)
-
-    def reset(self) -> None:
-        """Forget every series and event."""
-        self._best.clear()
-        self._logits.clear()
-        self._fired.clear()
-        self._last_step.clear()
-        self._events.clear()
-
-    def update(
-        self,
-        step: int,
-        layer: str,
-        *,
-        entropy: float | None = None,
-        uniform: float | None = None,
-        max_logit: float | None = None,
-    ) -> list[DiversityEvent]:
-        """Feed one layer's kernel statistics of one measured step; return the new events.
-
-        Args:
-            step: training step; must increase per layer.
-            layer: the layer's tag name.
-            entropy: mean attention entropy over heads (nats); None/NaN: missing.
-            uniform: its uniform-attention level (mean ``ln(n_keys)``), quoted in the message.
-            max_logit: the largest attention logit over heads; None/NaN: missing.
-
-        Returns:
-            New events, entropy collapse first.
-        """
-        step = check_int("step", check_index("step", step), low=0)
-        if not isinstance(layer, str) or not layer:
-            raise TypeError(f"layer must be a non-empty str, got {layer!r}")
-        last = self._last_step.get(layer)
-        if last is not None and step <= last:
-            raise ValueError(f"step {step} for {layer!r} is not after the previous measurement at step {last}")
-        self._last_step[layer] = step
-        if step < self.warmup_steps:
-            return []
-        ent, ref, top = _measurement(entropy), _measurement(uniform), _measurement(max_logit)
-        events: list[DiversityEvent] = []
-        if ent is not None:
-            best = self._best.get(layer)
-            if best is None or ent > best:
-                best = self._best[layer] = ent
-            if (layer, "entropy_collapse") not in self._fired and ent < self.entropy_fraction * best:
-                self._fired.add((layer, "entropy_collapse"))
-                ref_text = "" if ref is None else f"; uniform attention would have {ref:.3f}"
-                message = (
-                    f"Attention entropy of '{layer}' fell to {ent:.3f} nats at step {step}, below "
-                    f"{self.entropy_fraction:.3g} of its best {best:.3f}{ref_text}: the heads attend to ever fewer "
-                    "keys (entropy collapse, which precedes loss spikes at high learning rates); consider QK-norm, "
-                    "a lower learning rate or a longer warmup."
-                )
-                events.append(
-                    DiversityEvent(
-                        "entropy_collapse", layer, "kernel", "attention_entropy", step, ent, best, ref, (), message
-                    )
-                )
-        if top is not None:
-            window = self._logits.setdefault(layer, [])
-            window.append(top)
-            del window[: -(self.patience + 1)]
-            if (layer, "logit_blowup") not in self._fired:
-                why = None
-                if top > self.logit_threshold:
-                    why = f"above the {self.logit_threshold:.3g} threshold"
-                elif (
-                    len(window) == self.patience + 1
-                    and window[0] > 0
-                    and top >= self.min_logit
-                    and top >= self.logit_growth * window[0]
-                ):
-                    why = (
-                        f"{top / window[0]:.1f} times its value {window[0]:.3f} {self.patience} measurements "
-                        f"earlier (growth threshold {self.logit_growth:.3g})"
-                    )
-                if why is not None:
-                    self._fired.add((layer, "logit_blowup"))
-                    message = (
-                        f"Maximum attention logit of '{layer}' is {top:.3f} at step {step}, {why}: the attention "
-                        "kernel is sharpening without bound (logit growth precedes loss spikes and divergence); "
-                        "consider QK-norm, qk-clip, a lower learning rate or more weight decay."
-                    )
-                    events.append(
-                        DiversityEvent(
-                            "logit_blowup", layer, "kernel", "max_attention_logit", step, top, None, None, (), message
-                        )
-                    )
-        self._events.extend(events)
-        del self._events[:-MAX_KEPT_EVENTS]
-        return events
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain-Python state (loadable with ``torch.load(..., weights_only=True)``)."""
-        return {
-            "version": _KERNEL_STATE_VERSION,
-            "best": dict(self._best),
-            "logits": {k: list(v) for k, v in self._logits.items()},
-            "fired": sorted([layer, kind] for layer, kind in self._fired),
-            "last_step": dict(self._last_step),
-            "events": [e.to_dict() for e in self._events],
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict` (the constructor's settings are kept)."""
-        if not isinstance(state, dict) or state.get("version") != _KERNEL_STATE_VERSION:
-            raise ValueError("state must be a KernelDetector.state_dict()")
-        try:
-            self._best = {str(k): float(v) for k, v in state["best"].items()}
-            self._logits = {str(k): [float(x) for x in v][-(self.patience + 1) :] for k, v in state["logits"].items()}
-            self._fired = {(str(a), str(b)) for a, b in state["fired"]}
-            self._last_step = {str(k): int(v) for k, v in state["last_step"].items()}
-            self._events = [DiversityEvent.from_dict(e) for e in state["events"]][-MAX_KEPT_EVENTS:]
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise ValueError(f"malformed KernelDetector state: {err!r}") from err
-
-
-def feed_report(
-    detector: SaturationDetector | None,
-    activation_detector: SaturationDetector | None,
-    step: int,
-    report: Any,
-    *,
-    projections: Sequence[Projection],
-    kernel_detector: KernelDetector | None = None,
-) -> list[DiversityEvent]:
-    """Feed one measured step's `hdi_monitor.report.DiversityReport` to the detectors: per
-    projection every layer's HDI (with its overlap matrix for the redundancy check) and the mean
-    over layers (as layer ``"mean"``); to ``activation_detector`` every layer's effective heads
-    (with its correlation matrix); to ``kernel_detector`` every layer's kernel statistics (mean
-    entropy over heads, its uniform level, the largest logit), where measured. A layer whose name is ``mean``, ``min`` or ``max`` is fed as
-    ``<name>_layer``, so it never mixes with the mean. Returns the new events."""
-    from hdi_monitor.monitor.record import layer_tag
-
-    events: list[DiversityEvent] = []
-    if detector is not None:
-        for projection in projections:
-            chances = []
-            for layer in report.layers:
-                value = layer.hdi.get(projection)
-                if value is None:
-                    continue
-                chance = layer.chance_hdi[projection]
-                chances.append(chance)
-                events += detector.update(
-                    step,
-                    layer_tag(layer.name),
-                    projection,
-                    value,
-                    chance=chance,
-                    pairwise=layer.overlap.get(projection),
-                )
-            mean = report.mean_hdi(projection)
-            if mean is not None and chances:
-                events += detector.update(step, "mean", projection, mean, chance=sum(chances) / len(chances))
-    if activation_detector is not None:
-        for layer in report.layers:
-            if layer.effective_heads is None:
-                continue
-            events += activation_detector.update(
-                step,
-                layer_tag(layer.name),
-                "activations",
-                layer.effective_heads,
-                metric="effective_heads",
-                pairwise=layer.correlation,
-            )
-    if kernel_detector is not None:
-        for layer in report.layers:
-            if layer.attention_entropy is None and layer.max_attention_logit is None:
-                continue
-            events += kernel_detector.update(
-                step,
-                layer_tag(layer.name),
-                entropy=layer.mean_attention_entropy,
-                uniform=layer.mean_attention_entropy_uniform,
-                max_logit=layer.max_attention_logit_max,
-            )
-    return events
+    check_detector("detector", detector)
+    check_detector("activation_detector", activation_detector)
+    hdi = SaturationDetector() if isinstance(detector, str) else detector
+    if not isinstance(activation_detector, str):
+        return hdi, activation_detector
+    if hdi is None or not activations:
+        return hdi, None
+    act = SaturationDetector(
+        patience=hdi.patience,
+        warmup_steps=hdi.warmup_steps,
+        redundancy_threshold=hdi.redundancy_threshold,
+        min_delta=ACTIVATION_MIN_DELTA,
+        collapse_delta=ACTIVATION_COLLAPSE_DELTA,
+    )
+    return hdi, act

@@ -26,8 +26,8 @@ from typing import Any, overload
 import torch
 from torch import Tensor
 
+from hdi_monitor.measure.measurement import Series
 from hdi_monitor.models.base import PROJECTIONS
-from hdi_monitor.monitor.record import Series
 
 __all__ = ["History", "DEFAULT_HISTORY_BUDGET"]
 

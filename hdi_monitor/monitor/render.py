@@ -183,7 +183,7 @@ def diversity_map(
     The colour scale is diverging around the chance level (white): red below chance (heads more
     alike than random ones), blue above it; it does not follow the data, so maps of different runs
     and steps compare. Missing values (a layer not measured at a step) are grey. The PNG carries
-    no data payload (its values are the record's, see `hdi_monitor.monitor.record`).
+    no data payload (its values are the record's, see `hdi_monitor.measure.measurement`).
 
     Args:
         values: ``(layers, steps)`` HDI values, NaN where missing.

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hdi_monitor.monitor.history import History
 
-__all__ = ["reconcile", "settings"]
+__all__ = ["check_state", "reconcile", "settings"]
 
 #: Scalar tag prefixes that belong to one projection: ``<prefix>/<projection>...``.
 _PROJECTION_PREFIXES = ("hdi", "hdi_chance", "hdi_max", "invalid_heads")
@@ -74,3 +74,53 @@ def reconcile(saved: Mapping[str, Any] | None, current: Mapping[str, Any], histo
         f"hdi-monitor: resumed with changed settings; {len(history)} measured point(s) of the history are kept. "
         + " ".join(f"Changed: {c}." for c in changes)
     )
+
+
+#: The tracker state's entries and the Python types each may hold (None allowed for all but ``history``).
+_STATE_TYPES: dict[str, tuple[type, ...]] = {
+    "history": (dict, list),
+    "events": (list,),
+    "detector": (dict,),
+    "activation_detector": (dict,),
+    "kernel_detector": (dict,),
+    "unhealthy": (list,),
+    "generator": (str,),
+    "settings": (dict,),
+    "last_step": (int,),
+    "step": (int,),
+    "calls": (dict,),
+}
+
+
+def check_state(state: Any) -> Mapping[str, Any]:
+    """``state`` if it looks like an `hdi_monitor.HDITracker.state_dict` (the kinds of its entries,
+    each event's keys, the generator state's size); a TypeError or ValueError naming the entry that
+    is wrong otherwise, before anything is restored."""
+    import base64
+    import binascii
+
+    import torch
+
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"hdi-monitor state must be a dict from HDITracker.state_dict() (or a callback's state_dict()), "
+            f"got {type(state).__name__}"
+        )
+    for key, kinds in _STATE_TYPES.items():
+        value = state.get(key)
+        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
+            names = " or ".join(k.__name__ for k in kinds)
+            raise TypeError(f"hdi-monitor state: {key!r} must be a {names}, got {type(value).__name__}")
+    for i, event in enumerate(state.get("events") or []):
+        missing = [k for k in ("kind", "layer", "projection", "metric", "step", "value") if k not in (event or {})]
+        if not isinstance(event, Mapping) or missing:
+            raise ValueError(f"hdi-monitor state: event {i} is not an event (missing {', '.join(missing) or 'a dict'})")
+    if state.get("generator") is not None:
+        try:
+            raw = base64.b64decode(state["generator"], validate=True)
+        except (binascii.Error, ValueError) as err:
+            raise ValueError(f"hdi-monitor state: 'generator' is not base64 ({err})") from None
+        size = torch.Generator().get_state().numel()
+        if len(raw) != size:
+            raise ValueError(f"hdi-monitor state: 'generator' holds {len(raw)} bytes, a CPU generator state has {size}")
+    return state

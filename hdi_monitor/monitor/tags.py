@@ -10,8 +10,8 @@ Tag names:
 * ``hdi/<projection>/<layer>``, ``invalid_heads/<projection>/<layer>``,
   ``effective_heads/<layer>``, ``head_correlation/<layer>``: per layer (with activations,
   ``invalid_heads/activations/<layer>`` counts the heads dead in the head outputs);
-* ``hdi/<projection>/mean``, ``effective_heads/mean``, ``head_correlation/mean`` (and the ``min`` /
-  ``max`` of `hdi_monitor.monitor.dashboard.Dashboard.summary_scalars`): over layers;
+* ``hdi/<projection>/mean``, ``effective_heads/mean``, ``head_correlation/mean`` and their ``min`` /
+  ``max`` (`scalar_tags`): over layers; ``diversity_events/<kind>``: the step's events;
 * ``hdi_chance/<projection>``, ``hdi_max/<projection>``: reference levels (means over layers);
 * kernel statistics (``kernel_stats=True``, layers where they were measured):
   ``attention_entropy/<layer>`` (mean over heads, nats), ``attention_entropy/mean`` (over layers),
@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from types import SimpleNamespace
-from typing import cast
 
+from hdi_monitor.events import DIVERSITY_EVENT_KINDS, KERNEL_EVENT_KINDS, DiversityEvent
+from hdi_monitor.measure.measurement import Series
 from hdi_monitor.monitor.dashboard import Dashboard
-from hdi_monitor.monitor.detector import DiversityEvent
-from hdi_monitor.monitor.record import RESERVED_LAYER_NAMES, Series, layer_tag
 from hdi_monitor.report import ACTIVATIONS, DiversityReport
 
-__all__ = ["Series", "kernel_series", "layer_tag", "record_series", "scalar_tags", "RESERVED_LAYER_NAMES"]
+__all__ = ["kernel_series", "record_series", "scalar_tags"]
 
 
 _KERNEL_FAMILIES = frozenset({"attention_entropy", "attention_entropy_uniform", "max_attention_logit"})
@@ -113,6 +111,10 @@ def kernel_series(report: DiversityReport) -> dict[Series, float]:
     return out
 
 
+#: Head-output families summarised over layers (min and max beside the mean).
+_SUMMARISED = ("effective_heads", "head_correlation")
+
+
 def scalar_tags(
     report: DiversityReport,
     events: Sequence[DiversityEvent],
@@ -121,24 +123,44 @@ def scalar_tags(
     projections: Sequence[str],
     activations: bool,
     detecting: bool,
-) -> tuple[dict[Series, float], dict[str, float]]:
-    """The series of one record (`record_series` plus the dashboard's summaries: min and max over
-    layers, event counts, the frame bound dropped where it does not bind) and the same values as
-    the ``tag -> value`` dict that sinks write. ``dashboard`` keeps what the summaries remember over
-    the run (the layers that have had an invalid head)."""
+) -> dict[Series, float]:
+    """The series of one record, by typed key (`Series.tag` is what sinks write): `record_series`
+    plus the summaries over layers.
+
+    * ``<family>/min`` and ``/max`` beside each ``/mean`` (the HDI of each projection, the
+      effective heads, the head correlation);
+    * ``hdi_max/<projection>`` dropped where the frame bound does not bind (1: the heads can all be
+      orthogonal);
+    * ``invalid_heads/<projection>``: the dead or non-finite heads over all layers, on every
+      measured step (0 when healthy). The per-layer counts are kept only for layers that have had
+      an invalid head in this run (from the first such step on, 0 again once they recover; the
+      layers are remembered in ``dashboard.unhealthy``), so a healthy model adds one chart per
+      projection to the Scalars tab, not one per layer;
+    * ``diversity_events/<kind>``: the step's events per kind (0 on a measured step without events
+      when a detector runs; the kernel kinds only when the step has kernel statistics).
+    """
     series = record_series(report, projections=projections, activations=activations)
-    scalars = {key.tag: value for key, value in series.items()}
-    # the summaries are computed from tags by Dashboard.summary_scalars over the layers' tag names
-    # (so a layer called "mean" cannot be mistaken for the mean)
-    tagged = cast(
-        "DiversityReport", SimpleNamespace(layers=[SimpleNamespace(name=layer_tag(la.name)) for la in report.layers])
-    )
-    before = dict(scalars)
     kernel = any(key.family in _KERNEL_FAMILIES for key in series)
-    dashboard.summary_scalars(scalars, tagged, events, projections=projections, detecting=detecting, kernel=kernel)
-    by_tag: dict[str, Series] = {key.tag: key for key in series}
-    out: dict[Series, float] = {}
-    for tag, value in scalars.items():
-        key = by_tag.get(tag) if tag in before else None
-        out[key if key is not None else Series(tag)] = value
-    return out, scalars
+    groups = [("hdi", p) for p in projections] + [(family, None) for family in _SUMMARISED]
+    for family, projection in groups:
+        values = [v for k, v in series.items() if k.family == family and k.projection == projection and k.layer]
+        if values:
+            series[Series(family, projection, stat="min")] = min(values)
+            series[Series(family, projection, stat="max")] = max(values)
+    for p in [*projections, ACTIVATIONS]:
+        if series.get(Series("hdi_max", p), 0.0) >= 1.0:
+            del series[Series("hdi_max", p)]
+        per_layer = {k: v for k, v in series.items() if k.family == "invalid_heads" and k.projection == p and k.layer}
+        if per_layer:
+            series[Series("invalid_heads", p)] = float(sum(per_layer.values()))
+        for key, count in per_layer.items():
+            if count:
+                dashboard.unhealthy.add(key.tag)
+            elif key.tag not in dashboard.unhealthy:
+                del series[key]
+    kinds = DIVERSITY_EVENT_KINDS + (KERNEL_EVENT_KINDS if kernel else ())
+    counts = dict.fromkeys(kinds, 0.0) if detecting else {}
+    for event in events:
+        counts[event.kind] = counts.get(event.kind, 0.0) + 1.0
+    series.update({Series("diversity_events", kind): n for kind, n in counts.items()})
+    return series

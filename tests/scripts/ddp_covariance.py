@@ -30,7 +30,7 @@ def _free_port() -> int:
 def _worker(rank: int, port: int, inputs_path: str, output_path: str) -> None:
     from gloo_exit import exit_after_barrier  # this script's folder is sys.path[0], also in spawned workers
 
-    from hdi_monitor.functional.covariance import HeadCovarianceAccumulator
+    from hdi_monitor.measure.covariance import HeadCovarianceAccumulator
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)

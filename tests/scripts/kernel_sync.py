@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hdi_monitor.functional.kernel import KernelStatsAccumulator, sync_kernel_accumulators
+from hdi_monitor.measure.accumulators import sync_accumulators as sync_kernel_accumulators
+from hdi_monitor.measure.kernel import KernelStatsAccumulator
 
 
 def rank_inputs(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -23,37 +23,29 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from hdi_monitor._validation import check_bool, check_choice, check_choices, check_int, check_regex
+from hdi_monitor.events import DiversityEvent
 from hdi_monitor.functional.diversity import Weighting
 from hdi_monitor.models import PROJECTIONS, AttentionSpec
+from hdi_monitor.models.base import Projection
 from hdi_monitor.models.spec import as_specs
-from hdi_monitor.monitor.dashboard import DEFAULT_MAX_HISTOGRAM_LAYERS, DEFAULT_MAX_IMAGE_LAYERS
-from hdi_monitor.monitor.detector import DiversityEvent, SaturationDetector
-from hdi_monitor.monitor.history import DEFAULT_HISTORY_BUDGET
-from hdi_monitor.report import Projection
 
 __all__ = [
-    "ACTIVATION_COLLAPSE_DELTA",
-    "ACTIVATION_MIN_DELTA",
     "DEFAULTS",
-    "DetectorArg",
+    "DEFAULT_HISTORY_BUDGET",
+    "DEFAULT_MAX_HISTOGRAM_LAYERS",
+    "DEFAULT_MAX_IMAGE_LAYERS",
     "EventAction",
     "MonitorConfig",
-    "check_detector",
-    "resolve_detectors",
 ]
-
-#: Effective-heads series: a rise of less than this many heads is no improvement.
-ACTIVATION_MIN_DELTA = 0.05
-#: Effective-heads series: losing more than this many effective heads from the best is a collapse.
-ACTIVATION_COLLAPSE_DELTA = 1.0
 
 #: What a measured step's early-warning events trigger.
 EventAction = Literal["warn", "stop"] | Callable[[DiversityEvent], Any]
-#: A detector argument: a configured detector, None (off), or ``"default"``.
-DetectorArg = SaturationDetector | Literal["default"] | None
-
-# the six settings that used to be loose callback arguments: a pointed message for them
-_DETECTOR_SETTINGS = ("patience", "min_delta", "warmup_steps", "mode", "collapse_delta", "redundancy_threshold")
+#: Default of ``max_image_layers``: layers tiled in one overlap/correlation image at most.
+DEFAULT_MAX_IMAGE_LAYERS = 16
+#: Default of ``max_histogram_layers``: layers with a principal-angle histogram of their own at most.
+DEFAULT_MAX_HISTOGRAM_LAYERS = 8
+#: Default of ``history_budget``: measured steps kept in the history.
+DEFAULT_HISTORY_BUDGET = 512
 
 
 @dataclass(frozen=True)
@@ -169,19 +161,11 @@ class MonitorConfig:
         """TypeError naming the valid fields if ``fields`` (keyword arguments of ``owner``) holds a
         name that is not a field; the six former detector arguments get a pointed hint."""
         unknown = [k for k in fields if k not in cls.field_names()]
-        if not unknown:
-            return
-        hint = ""
-        detector = [k for k in unknown if k in _DETECTOR_SETTINGS]
-        if detector:
-            settings = ", ".join(f"{k}=..." for k in detector)
-            hint = f"; {', '.join(detector)} configure the detector: pass detector=SaturationDetector({settings})"
-        if "early_warning" in unknown:
-            hint += "; early_warning=False is detector=None"
-        raise TypeError(
-            f"{owner} got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the settings are "
-            f"{', '.join(cls.field_names())}{hint}"
-        )
+        if unknown:
+            raise TypeError(
+                f"{owner} got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the settings are "
+                f"{', '.join(cls.field_names())}"
+            )
 
     @classmethod
     def build(cls, config: MonitorConfig | None, fields: Mapping[str, Any], *, owner: str) -> MonitorConfig:
@@ -215,49 +199,6 @@ def _check_layers(layers: Any) -> str | tuple[str, ...] | None:
     if not layers:
         raise ValueError("layers=[] selects no attention layer; give None to watch every layer")
     return tuple(layers)
-
-
-def check_detector(name: str, value: Any) -> Any:
-    """``value`` if it is a `SaturationDetector`, ``"default"`` or None, else TypeError."""
-    if (
-        value is not None
-        and not isinstance(value, SaturationDetector)
-        and not (isinstance(value, str) and value == "default")
-    ):
-        raise TypeError(f"{name} must be a SaturationDetector, 'default' or None, got {type(value).__name__} {value!r}")
-    return value
-
-
-def resolve_detectors(
-    detector: DetectorArg, activation_detector: DetectorArg, *, activations: bool = True
-) -> tuple[SaturationDetector | None, SaturationDetector | None]:
-    """The two detectors a tracker uses, from its ``detector`` arguments (given objects are used
-    as they are, not copied).
-
-    * ``detector`` watches the HDI series. ``"default"`` is ``SaturationDetector()`` (the
-      defaults of Lightning's EarlyStopping vocabulary: ``patience=10``, ``min_delta=0.002``,
-      ``warmup_steps=1000``, ...); None turns HDI early warnings off.
-    * ``activation_detector`` watches the effective-heads series (counted in heads) and redundant
-      head pairs by output correlation. ``"default"`` derives it from the HDI detector: the same
-      ``patience``, ``warmup_steps`` and ``redundancy_threshold``, with the thresholds in heads
-      (`ACTIVATION_MIN_DELTA`, `ACTIVATION_COLLAPSE_DELTA`); it is None when ``detector`` is None
-      or ``activations`` is off. Pass a `SaturationDetector` to configure it on its own.
-    """
-    check_detector("detector", detector)
-    check_detector("activation_detector", activation_detector)
-    hdi = SaturationDetector() if isinstance(detector, str) else detector
-    if not isinstance(activation_detector, str):
-        return hdi, activation_detector
-    if hdi is None or not activations:
-        return hdi, None
-    act = SaturationDetector(
-        patience=hdi.patience,
-        warmup_steps=hdi.warmup_steps,
-        redundancy_threshold=hdi.redundancy_threshold,
-        min_delta=ACTIVATION_MIN_DELTA,
-        collapse_delta=ACTIVATION_COLLAPSE_DELTA,
-    )
-    return hdi, act
 
 
 #: The default settings: the one place the callbacks' signature defaults come from.
