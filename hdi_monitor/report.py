@@ -19,7 +19,9 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
-from hdi_monitor._validation import check_choice, check_choices
+from hdi_monitor._validation import check_bool, check_choice, check_choices
+from hdi_monitor.exceptions import AdapterMismatch
+from hdi_monitor.functional.bilinear import gram_factor, logit_bound, qk_norm_logit_bound
 from hdi_monitor.functional.diversity import (
     Weighting,
     chance_hdi,
@@ -82,6 +84,18 @@ class LayerDiversity:
     head, the number of queries measured); CPU float64 ``(H,)`` tensors (int64 for the counts),
     NaN for a head without a measured query. A layer whose kernel was not reachable has them None.
 
+    Logit bound (DESIGN.md rule 9; weights only, computed by `compute_report` from the same weight
+    read as the HDI when both ``"query"`` and ``"key"`` are measured): ``logit_bound`` is a CPU
+    float64 ``(H,)`` tensor, per query head, and ``logit_bound_rule`` says how it was computed:
+    ``"bilinear"`` (``scale * sigma_max(W_Q,h W_K,g(h)^T)``) and ``"rotary"`` (rotated or unknown
+    position scheme: ``scale * sigma_max(W_Q,h) sigma_max(W_K,g(h))``) bound the logit of a
+    unit-norm query input and a unit-norm key input (multiply by the inputs' norms for a bound on
+    the layer's logits; biases left out); ``"qk_norm"`` bounds the logit whatever the inputs, from
+    the QK-norm gains (`hdi_monitor.functional.bilinear.qk_norm_logit_bound`). NaN for a head whose
+    weights hold NaN or inf (an all-zero head has bound 0). Both None when the bound was not
+    computed: query or key not measured, or the layer's logit form is not declared or cannot be read
+    (the reason is then in ``notes``).
+
     More per-layer results are added as optional fields with a default (None or empty), so that
     every reader of a report (tags, dashboards, detector, CLI) keeps working when one is added.
     """
@@ -110,6 +124,8 @@ class LayerDiversity:
     max_attention_logit: Tensor | None = None
     kernel_queries: Tensor | None = None
     nonfinite_heads: tuple[int, ...] = ()
+    logit_bound: Tensor | None = None
+    logit_bound_rule: str | None = None
 
     # ------------------------------------------------------------------ kernel statistics (opt-in)
     @property
@@ -127,6 +143,15 @@ class LayerDiversity:
     def max_attention_logit_max(self) -> float | None:
         """Largest ``max_attention_logit`` over heads; None when not measured."""
         t = self.max_attention_logit
+        if t is None:
+            return None
+        finite = t[torch.isfinite(t)]
+        return float(finite.max()) if finite.numel() else None
+
+    @property
+    def logit_bound_max(self) -> float | None:
+        """Largest finite ``logit_bound`` over heads; None when not computed or no head has one."""
+        t = self.logit_bound
         if t is None:
             return None
         finite = t[torch.isfinite(t)]
@@ -163,6 +188,9 @@ class LayerDiversity:
             value = getattr(self, name)
             if value is not None:
                 out[name] = [_finite_or_none(x) for x in value.double().tolist()]
+        if self.logit_bound is not None:
+            out["logit_bound"] = [_finite_or_none(x) for x in self.logit_bound.double().tolist()]
+            out["logit_bound_rule"] = self.logit_bound_rule
         return out
 
 
@@ -205,11 +233,14 @@ class DiversityReport:
         """A readable fixed-width table: one row per layer, HDI / chance / max per projection; then the
         notes of layers and the modules not measured, with the reason."""
         has_act = any(lay.effective_heads is not None for lay in self.layers)
+        has_bound = any(lay.logit_bound is not None for lay in self.layers)
         header = ["layer", "family", "heads", "d", "D"]
         for p in self.projections:
             header += [f"{p} HDI", "chance", "max"]
         if has_act:
             header += ["H_eff", "mean R"]
+        if has_bound:
+            header += ["logit bound"]
         rows = []
         for lay in self.layers:
             heads = f"{lay.num_heads}" if lay.num_kv_heads == lay.num_heads else f"{lay.num_heads}/{lay.num_kv_heads}"
@@ -221,12 +252,17 @@ class DiversityReport:
             if has_act:
                 dead = "*" if lay.invalid_heads.get(ACTIVATIONS) else ""
                 row += [_fmt(lay.effective_heads, 2) + dead, _fmt(lay.mean_correlation)]
+            if has_bound:
+                mark = "^" if lay.logit_bound_rule == "qk_norm" else ""
+                row += [_fmt(lay.logit_bound_max) + mark]
             rows.append(row)
         footer = ["mean", "", "", "", ""]
         for p in self.projections:
             footer += [_fmt(self.mean_hdi(p)), "", ""]
         if has_act:
             footer += ["", ""]
+        if has_bound:
+            footer += [""]
         widths = [max(len(r[i]) for r in [header, *rows, footer]) for i in range(len(header))]
 
         def line(cells: list[str]) -> str:
@@ -240,6 +276,16 @@ class DiversityReport:
         if any(lay.invalid_heads.get(ACTIVATIONS) for lay in self.layers):
             lines.append(
                 "* (H_eff) heads that contributed nothing to the layer output, left out: H_eff is over the live heads"
+            )
+        if has_bound:
+            lines.append(
+                "logit bound: largest over heads of the largest logit for unit-norm query and key inputs (weights "
+                "only, biases left out)"
+                + (
+                    "; ^ QK-norm layer: for any input"
+                    if any(lay.logit_bound_rule == "qk_norm" for lay in self.layers)
+                    else ""
+                )
             )
         notes: dict[str, list[str]] = {}
         for lay in self.layers:
@@ -335,6 +381,7 @@ def compute_report(
     skipped: Sequence[SkippedModule] = (),
     progress: Progress | None = None,
     angles: bool | list[AngleWork] = False,
+    logit_bounds: bool = True,
 ) -> DiversityReport:
     """Weight-based diversity of already-found attention layers.
 
@@ -362,6 +409,14 @@ def compute_report(
             another thread, with `compute_angles` (the record is not changed: the angles are their
             own result); sharded (gathered) and accelerator weights, and groups past that size, are
             done at once, into ``LayerDiversity.angles``.
+        logit_bounds: also compute each layer's logit bound (`LayerDiversity.logit_bound`, DESIGN.md
+            rule 9) from the same weight read, when ``"query"`` and ``"key"`` are both measured:
+            each query and key group is reduced at once to ``d x d`` factors of its heads
+            (`hdi_monitor.functional.bilinear.gram_factor`, so no weights are held past their
+            group and gathered ones are freed as before), QK-norm gains are read with the query
+            weights (inside a sharded layer's gather), and the bounds run batched per group of
+            layers of one shape once every group is read. Layers whose logit form is not declared
+            or cannot be read (``layer.logit_form.refusal``) get None and a note.
     """
     checked = _check_projections(projections)
     check_choice("weighting", weighting, Weighting)
@@ -370,8 +425,19 @@ def compute_report(
     if not all(isinstance(s, SkippedModule) for s in skipped):
         raise TypeError("skipped must be a sequence of SkippedModule (see discover_attention)")
     fields: list[dict[str, Any]] = [
-        {"chance_hdi": {}, "max_hdi": {}, "hdi": {}, "overlap": {}, "invalid_heads": {}, "angles": {}} for _ in layers
+        {
+            "chance_hdi": {},
+            "max_hdi": {},
+            "hdi": {},
+            "overlap": {},
+            "invalid_heads": {},
+            "angles": {},
+            "notes": tuple(getattr(lay, "notes", ())),
+        }
+        for lay in layers
     ]
+    check_bool("logit_bounds", logit_bounds)
+    bounds = _LogitBounds(layers, fields) if logit_bounds and {"query", "key"} <= set(checked) else None
     # (projection, layer indices, overlap (L, h, h), hdi (L,), invalid (L, h)) on the weights' device
     pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]] = []
     with torch.no_grad():
@@ -394,10 +460,13 @@ def compute_report(
                 else:
                     for i, row in zip(idx, _pair_angles(stacked), strict=True):
                         fields[i]["angles"][proj] = row
+            if bounds is not None:
+                bounds.add(proj, idx, stacked)
             del stacked  # a gathered layer is freed before the next one
             if progress is not None:
                 progress(len(idx))
-    _collect(pending, fields)
+        bound_groups = bounds.compute() if bounds is not None else []
+    _collect(pending, fields, bound_groups)
     results = [
         LayerDiversity(
             name=lay.name,
@@ -406,7 +475,6 @@ def compute_report(
             num_kv_heads=lay.num_kv_heads,
             head_dim=lay.head_dim,
             model_dim=lay.model_dim,
-            notes=tuple(getattr(lay, "notes", ())),
             **f,
         )
         for lay, f in zip(layers, fields, strict=True)
@@ -454,17 +522,125 @@ def _pair_angles(stacked: Tensor) -> list[Tensor]:
     return [row[~torch.isnan(row)] for row in picked]
 
 
-def _collect(pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]], fields: list[dict[str, Any]]) -> None:
-    """Copy all group results to the CPU with one transfer per device into each layer's fields."""
+class _LogitBounds:
+    """The logit bounds of `compute_report` (DESIGN.md rule 9), fed the weight groups as they are read.
+
+    Each query and key group is reduced at once to ``(L, H, d, d)`` factors with the heads' Gram
+    matrices (`gram_factor`): the weights themselves are not held past their group. QK-norm layers
+    need no weights: their gains are read with their query group (inside a sharded layer's
+    gather). `compute` then groups the layers whose factors (or gains) have one shape, position
+    rule, key-head map and device, and runs one batched bound per group.
+    """
+
+    def __init__(self, layers: Sequence[AttentionLayer], fields: list[dict[str, Any]]) -> None:
+        self.layers = layers
+        self.fields = fields
+        self.factors: dict[tuple[int, str], Tensor] = {}  # (layer, "query" | "key") -> (H, d, d)
+        self.gains: dict[int, tuple[Tensor, Tensor, float, float]] = {}  # QK-norm layers
+        self.wanted: set[int] = set()
+        for i, (lay, res) in enumerate(zip(layers, fields, strict=True)):
+            form = lay.logit_form
+            d_q, d_k = lay.projection_dims["query"], lay.projection_dims["key"]
+            if form.refusal is not None:
+                res["notes"] = (*res["notes"], f"logit bound not computed: {form.refusal}")
+            elif d_q != d_k:
+                res["notes"] = (
+                    *res["notes"],
+                    f"logit bound not computed: query heads of width {d_q}, key heads of {d_k}",
+                )
+            else:
+                res["notes"] = (*res["notes"], *form.notes)
+                self.wanted.add(i)
+
+    def add(self, projection: str, indices: list[int], stacked: Tensor) -> None:
+        """Take what the bounds need from one weight group (``(L, H, D_in, d)`` of the layers
+        ``indices``) while it is read."""
+        if projection not in ("query", "key"):
+            return
+        rows = [(j, i) for j, i in enumerate(indices) if i in self.wanted]
+        by_weights = [(j, i) for j, i in rows if self.layers[i].logit_form.qk_norm is None]
+        if by_weights:
+            sel = [j for j, _ in by_weights]
+            factor = gram_factor(stacked if len(sel) == len(indices) else stacked[sel])
+            for n, (_, i) in enumerate(by_weights):
+                self.factors[(i, projection)] = factor[n]
+        if projection == "query":
+            for _, i in rows:
+                if self.layers[i].logit_form.qk_norm is not None:
+                    self._read_gains(i, stacked.device)
+
+    def _read_gains(self, i: int, device: torch.device) -> None:
+        lay = self.layers[i]
+        try:
+            gains = lay.qk_norm_gains()
+        except AdapterMismatch as exc:  # the full gains do not fit the heads: no bound, said so
+            self.wanted.discard(i)
+            self.fields[i]["notes"] = (*self.fields[i]["notes"], f"logit bound not computed: {exc}")
+            return
+        self.gains[i] = (gains.query.to(device), gains.key.to(device), gains.radius_query, gains.radius_key)
+
+    def compute(self) -> list[tuple[list[int], Tensor]]:
+        """``(layer indices, (L, H) bounds)`` per group, on the weights' device; sets each
+        computed layer's ``logit_bound_rule``."""
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i in sorted(self.wanted):
+            lay, form = self.layers[i], self.layers[i].logit_form
+            rotary = form.rotary is not False
+            if i in self.gains:
+                gq, gk, rq, rk = self.gains[i]
+                key: tuple[Any, ...] = ("qk_norm", tuple(gq.shape), tuple(gk.shape), gq.dtype, gk.dtype, gq.device)
+                key += (rotary, lay.kv_map, rq, rk)
+            elif (i, "query") in self.factors and (i, "key") in self.factors:
+                fq, fk = self.factors[(i, "query")], self.factors[(i, "key")]
+                key = ("weights", tuple(fq.shape), tuple(fk.shape), fq.dtype, fk.dtype, fq.device, rotary, lay.kv_map)
+            else:
+                continue
+            groups.setdefault(key, []).append(i)
+        out = []
+        for key, members in groups.items():
+            rotary, kv_map = (key[6], key[7])
+            if key[0] == "qk_norm":
+                gq = torch.stack([self.gains[i][0] for i in members])
+                gk = torch.stack([self.gains[i][1] for i in members])
+                raw = qk_norm_logit_bound(
+                    gq, gk, radius_q=key[8], radius_k=key[9], rotary=rotary, kv_map=kv_map, scale=1.0
+                )
+            else:
+                fq = torch.stack([self.factors[(i, "query")] for i in members])
+                fk = torch.stack([self.factors[(i, "key")] for i in members])
+                raw = logit_bound(fq, fk, rotary=rotary, kv_map=kv_map, scale=1.0)
+            scales = torch.tensor(
+                [self.layers[i].logit_form.scale for i in members], dtype=raw.dtype, device=raw.device
+            )
+            out.append((members, raw * scales[:, None]))
+            for i in members:
+                self.fields[i]["logit_bound_rule"] = self.layers[i].logit_form.rule
+        return out
+
+
+def _collect(
+    pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]],
+    fields: list[dict[str, Any]],
+    bound_groups: Sequence[tuple[list[int], Tensor]] = (),
+) -> None:
+    """Copy all group results (and the logit bounds) to the CPU with one transfer per device into
+    each layer's fields."""
     by_device: dict[torch.device, list[int]] = {}
     for n, (_, _, overlap, _, _) in enumerate(pending):
         by_device.setdefault(overlap.device, []).append(n)
+    bounds_by_device: dict[torch.device, list[int]] = {}
+    for n, (_, values) in enumerate(bound_groups):
+        bounds_by_device.setdefault(values.device, []).append(n)
+        by_device.setdefault(values.device, [])
     host: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
-    for members in by_device.values():
+    host_bounds: dict[int, Tensor] = {}
+    for device, members in by_device.items():
         parts = []
         for n in members:
             _, _, overlap, hdi, bad = pending[n]
             parts += [overlap.reshape(-1).double(), hdi.reshape(-1).double(), bad.reshape(-1).double()]
+        bound_members = bounds_by_device.get(device, [])
+        parts += [bound_groups[n][1].reshape(-1).double() for n in bound_members]
         flat = torch.cat(parts).cpu()  # the one host sync for this device
         offset = 0
         for n in members:
@@ -474,6 +650,10 @@ def _collect(pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]], field
                 chunks.append(flat[offset : offset + t.numel()].reshape(t.shape))
                 offset += t.numel()
             host[n] = (chunks[0].float(), chunks[1], chunks[2].bool())
+        for n in bound_members:
+            values = bound_groups[n][1]
+            host_bounds[n] = flat[offset : offset + values.numel()].reshape(values.shape)
+            offset += values.numel()
     for n, (proj, idx, _, _, _) in enumerate(pending):
         overlap, hdi, bad = host[n]
         for j, i in enumerate(idx):
@@ -481,3 +661,6 @@ def _collect(pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]], field
             fields[i]["hdi"][proj] = value if math.isfinite(value) else None
             fields[i]["overlap"][proj] = overlap[j].clone()
             fields[i]["invalid_heads"][proj] = torch.nonzero(bad[j]).flatten().tolist()
+    for n, (idx, _) in enumerate(bound_groups):
+        for j, i in enumerate(idx):
+            fields[i]["logit_bound"] = host_bounds[n][j].clone()

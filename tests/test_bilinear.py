@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from hdi_monitor.functional.bilinear import logit_bound, qk_norm_logit_bound, update_entropy
+from hdi_monitor.functional.bilinear import gram_factor, logit_bound, qk_norm_logit_bound, update_entropy
 
 
 def _dense_bound(q: torch.Tensor, k: torch.Tensor, group: object, rotary: bool = False) -> torch.Tensor:
@@ -49,6 +49,42 @@ def test_logit_bound_matches_dense_svd(kv_map: str, rotary: bool) -> None:
     got32 = logit_bound(q.float(), k.float(), rotary=rotary, kv_map=kv_map)  # type: ignore[arg-type]
     assert got32.dtype == torch.float32
     torch.testing.assert_close(got32.double(), _dense_bound(q, k, group, rotary), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+def test_cross_attention_with_other_key_width_and_gram_factors(rotary: bool) -> None:
+    """Keys that read another width (``kdim != D``): the bound and the update entropy against dense
+    SVDs of the ``D x kdim`` matrices; and the ``d x d`` Gram factors give the same bound, also for
+    heads narrower than ``d`` (``D < d``)."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(4, 12, 5, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 3, 5, generator=g, dtype=torch.float64)  # kdim 3 < d_k 5
+    ref = _dense_bound(q, k, lambda h: h // 2, rotary)
+    torch.testing.assert_close(logit_bound(q, k, rotary=rotary), ref, rtol=1e-12, atol=0)
+    fq, fk = gram_factor(q), gram_factor(k)
+    assert fq.shape == (4, 5, 5) and fk.shape == (2, 5, 5)
+    torch.testing.assert_close(fq.mT @ fq, q.mT @ q, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fk.mT @ fk, k.mT @ k, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(logit_bound(fq, fk, rotary=rotary), ref, rtol=1e-10, atol=0)
+    assert gram_factor(q.float()).dtype == torch.float32 and gram_factor(q.half()).dtype == torch.float32
+    if not rotary:
+        q1 = q + 0.1 * torch.randn(q.shape, generator=g, dtype=torch.float64)
+        k1 = k + 0.1 * torch.randn(k.shape, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(
+            update_entropy(q, k, q1, k1), _dense_entropy(q, k, q1, k1, lambda h: h // 2), rtol=0, atol=1e-10
+        )
+
+
+def test_gram_factor_non_finite_head_and_bad_input() -> None:
+    w = torch.randn(3, 8, 2, dtype=torch.float64)
+    w[1, 0, 0] = float("inf")
+    f = gram_factor(w)
+    assert torch.isnan(f[1]).all() and torch.isfinite(f[[0, 2]]).all()
+    assert torch.isnan(logit_bound(f, f))[1] and torch.isfinite(logit_bound(f, f)[[0, 2]]).all()
+    with pytest.raises(ValueError, match="shape"):
+        gram_factor(torch.zeros(4))
+    with pytest.raises(TypeError, match="real floating-point"):
+        gram_factor(torch.zeros(2, 2, dtype=torch.long))
 
 
 def test_logit_bound_is_reached_and_bounds_every_input() -> None:
@@ -170,7 +206,7 @@ def test_update_entropy_non_finite_head_is_nan_alone() -> None:
     ("q", "k", "match"),
     [
         (torch.zeros(4, 8, 2), torch.zeros(3, 8, 2), "divide"),
-        (torch.zeros(4, 8, 2), torch.zeros(2, 8, 3), "same \\(D, d_k\\)"),
+        (torch.zeros(4, 8, 2), torch.zeros(2, 8, 3), "same head width d_k"),
         (torch.zeros(8, 2), torch.zeros(8, 2), "shape"),
         (torch.zeros(2, 3, 8, 2), torch.zeros(3, 2, 8, 2), "leading"),
     ],

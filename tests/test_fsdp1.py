@@ -85,6 +85,11 @@ def test_fsdp1_hdi_equals_unsharded_head_diversity(runs, reference, config):
         for name, per_proj in step["hdi"].items():
             for proj in script.PROJECTIONS:
                 assert per_proj[proj] == pytest.approx(hdis[name][proj], rel=1e-6), (config, name, proj)
+    # the logit bound, from the same per-unit gather: the unsharded model's
+    for lay in weights.layers:
+        assert lay.logit_bound is not None
+        for step in run["steps"]:
+            torch.testing.assert_close(step["logit_bound"][lay.name], lay.logit_bound, rtol=1e-5, atol=0)
 
 
 @pytest.mark.slow

@@ -86,11 +86,14 @@ def _products(fn):
 def test_batched_once_per_projection_and_values_match_bruteforce():
     model = encoder(4)
     layers = find_attention_layers(model)
-    rep, products = _products(lambda: compute_report(layers, projections=ALL))
+    rep, products = _products(lambda: compute_report(layers, projections=ALL, logit_bounds=False))
     # every product of the overlaps has all 4 layers stacked on its batch dimension (no per-layer
     # loop); one block row of the Gram matrix per head, per projection
     assert len(products) == len(ALL) * H
     assert all(shape == [4, D // H, D] for shape in products), products
+    # the logit bound adds one product, over the (d x d) factors of all 4 layers and all heads at once
+    _, with_bound = _products(lambda: compute_report(layers, projections=ALL))
+    assert with_bound[: len(products)] == products and with_bound[len(products) :] == [[4, H, D // H, D // H]]
     for lay, res in zip(layers, rep.layers, strict=True):
         for proj in ALL:
             ref = hdi_spectral_bruteforce(mha_heads_numpy(lay.module, proj))

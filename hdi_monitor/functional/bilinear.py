@@ -17,6 +17,10 @@ attention kernel cannot be reached (fused kernels, tensor parallelism, ZeRO-3, c
   between two weight readings, ``Delta = dW_Q W_K^T + W_Q dW_K^T`` (DESIGN.md rule 10): low when
   the update concentrates on a few directions.
 
+`gram_factor` reduces a head's ``D x d_k`` weights to a ``d_k x d_k`` factor with the same Gram
+matrix, on which `logit_bound` gives the same value: a caller can keep the factor of one
+projection's heads (``d_k / D`` of the memory) until the other projection is read.
+
 Pure functions of tensors, batched over leading dimensions, on the weights' own device; never in
 half precision (inputs are upcast to float32, `update_entropy` computes in float64).
 """
@@ -30,7 +34,7 @@ import torch
 from einops import repeat
 from torch import Tensor
 
-__all__ = ["KVMap", "logit_bound", "qk_norm_logit_bound", "update_entropy"]
+__all__ = ["KVMap", "gram_factor", "logit_bound", "qk_norm_logit_bound", "update_entropy"]
 
 KVMap = Literal["block", "modulo"]
 """How query heads share key heads: ``g(h) = h // (H / H_kv)`` (``"block"``) or ``h % H_kv`` (``"modulo"``)."""
@@ -47,9 +51,9 @@ def _check_pair(w_q: Tensor, w_k: Tensor, names: tuple[str, str] = ("w_q", "w_k"
         if 0 in w.shape[-3:]:
             raise ValueError(f"{name} must hold at least one head of non-zero size, got {tuple(w.shape)}")
     q, k = names
-    if w_q.shape[-2:] != w_k.shape[-2:]:
+    if w_q.shape[-1] != w_k.shape[-1]:  # the input widths may differ (cross-attention with kdim != D)
         raise ValueError(
-            f"{q} and {k} must have the same (D, d_k) per head, got {tuple(w_q.shape[-2:])} and {tuple(w_k.shape[-2:])}"
+            f"{q} and {k} must have the same head width d_k, got {tuple(w_q.shape[-2:])} and {tuple(w_k.shape[-2:])}"
         )
     if w_q.shape[:-3] != w_k.shape[:-3]:
         raise ValueError(
@@ -100,6 +104,37 @@ def _nan_where(values: Tensor, ok: Tensor) -> Tensor:
     return torch.where(ok, values, torch.full_like(values, float("nan")))
 
 
+def gram_factor(w: Tensor) -> Tensor:
+    """A square factor of each head with the same Gram matrix: ``R^T R = W^T W``.
+
+    `logit_bound` depends on the heads only through ``W_Q^T W_Q``, ``W_K^T W_K`` and the
+    singular values of ``W_Q W_K^T``, which equal those of ``R_Q R_K^T`` (``W = U R`` with
+    orthonormal ``U``); so ``logit_bound(gram_factor(w_q), gram_factor(w_k))`` is
+    ``logit_bound(w_q, w_k)``, also when the query and key heads read inputs of different widths.
+
+    Args:
+        w: ``(..., D, d_k)`` heads (any ``D``).
+
+    Returns:
+        ``(..., d_k, d_k)`` upper-triangular factors (a QR's ``R``; heads with ``D < d_k`` are
+        padded with zero rows first), in float32 (float64 for float64 weights), on the weights'
+        device; NaN for a head holding NaN or inf.
+    """
+    if not isinstance(w, Tensor):
+        raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
+    if w.ndim < 2 or 0 in w.shape[-2:]:
+        raise ValueError(f"w must have shape (..., D, d_k) with D, d_k > 0, got {tuple(w.shape)}")
+    if w.is_complex() or not w.is_floating_point():
+        raise TypeError(f"w must be a real floating-point tensor, got {w.dtype}")
+    x = _upcast(w.detach(), torch.float32)
+    rows, d = x.shape[-2:]
+    if rows < d:
+        x = torch.cat([x, x.new_zeros((*x.shape[:-2], d - rows, d))], dim=-2)
+    (x,), ok = _finite_heads(x)
+    r = torch.linalg.qr(x, mode="r").R
+    return torch.where(ok[..., None, None], r, torch.full_like(r, float("nan")))
+
+
 def logit_bound(
     w_q: Tensor,
     w_k: Tensor,
@@ -112,7 +147,8 @@ def logit_bound(
 
     Args:
         w_q: ``(..., H, D, d_k)`` query heads (``x @ w_q[h]`` is head ``h``'s query).
-        w_k: ``(..., H_kv, D, d_k)`` key heads; ``H_kv`` divides ``H``.
+        w_k: ``(..., H_kv, D_k, d_k)`` key heads; ``H_kv`` divides ``H``; ``D_k`` may differ from
+            ``D`` (a cross-attention whose keys read another width).
         rotary: the layer rotates queries and keys by their positions (rotary embeddings): the
             bound ``sigma_max(W_Q,h) sigma_max(W_K,g(h))``, which holds at every offset, replaces the
             bilinear one.
@@ -209,7 +245,8 @@ def update_entropy(
 
     Args:
         w_q_before, w_q_after: ``(..., H, D, d_k)`` query heads at two readings.
-        w_k_before, w_k_after: ``(..., H_kv, D, d_k)`` key heads at the same readings.
+        w_k_before, w_k_after: ``(..., H_kv, D_k, d_k)`` key heads at the same readings (``D_k``
+            may differ from ``D``).
         kv_map: which key head each query head uses (see `KVMap`).
 
     Returns:

@@ -20,14 +20,21 @@ from typing import Any
 from hdi_monitor.events import DiversityEvent
 from hdi_monitor.report import AngleWork, DiversityReport
 
-__all__ = ["RESERVED_LAYER_NAMES", "Measurement", "Series", "layer_tag"]
+__all__ = ["RESERVED_LAYER_NAMES", "ROOT_TAG", "Measurement", "Series", "layer_tag"]
 
 #: Layer names that are also summary tag names; such a layer is tagged ``<name>_layer``.
 RESERVED_LAYER_NAMES = frozenset({"mean", "min", "max"})
 
 
+#: The tag part of the model's own root module, when it is the attention layer (its name is ``""``).
+ROOT_TAG = "<root>"
+
+
 def layer_tag(name: str) -> str:
-    """The tag part of a layer name: the name itself, or ``<name>_layer`` for a reserved name."""
+    """The tag part of a layer name: the name itself, ``<name>_layer`` for a reserved name, or
+    ``<root>`` for the model's root module (named ``""``)."""
+    if not name:
+        return ROOT_TAG
     return f"{name}_layer" if name in RESERVED_LAYER_NAMES else name
 
 

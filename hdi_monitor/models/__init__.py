@@ -8,6 +8,10 @@ are not searched): ``torch_mha`` and ``mla`` (code), then the declarative layout
 ``ctrl``, ``bert_attention``, ``distilbert``, ``albert``, ``x_transformers``, ``wqkvo``). Modules
 are recognised by class and attribute structure, so neither ``transformers`` nor ``timm`` is
 imported. User specs are tried before all of them; add a family with `register_adapter`.
+
+Each layer also says how it forms its logits (``layer.logit_form``: position scheme, scale,
+QK-norm; `hdi_monitor.models.logits`), declared per class on the table entries (`LogitRule`) and on
+`AttentionSpec`, for the weight-only logit bound.
 """
 
 from hdi_monitor.models import mla, torch_mha
@@ -23,6 +27,7 @@ from hdi_monitor.models.base import (
 )
 from hdi_monitor.models.discovery import Discovery, discover_attention, find_attention_layers
 from hdi_monitor.models.layouts import LAYOUTS, Layout, layout_adapters
+from hdi_monitor.models.logits import LogitForm, LogitRule
 from hdi_monitor.models.spec import AttentionSpec
 from hdi_monitor.models.torch_mha import mha_head_outputs
 
@@ -40,6 +45,8 @@ __all__ = [
     "Discovery",
     "HookHandle",
     "Layout",
+    "LogitForm",
+    "LogitRule",
     "SkippedModule",
     "discover_attention",
     "find_attention_layers",

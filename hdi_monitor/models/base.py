@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from hdi_monitor._validation import check_choice, check_int
 from hdi_monitor.exceptions import AdapterMismatch
 from hdi_monitor.models._parametrize import preserved_parametrizations
+from hdi_monitor.models.logits import LogitForm, QKNormGains
 
 __all__ = [
     "PROJECTIONS",
@@ -216,6 +217,10 @@ class AttentionLayer:
             or None. Head counts are always the global ones.
         output_module: the module whose input is the concatenated head output (hooked for
             activation statistics).
+        logit_form: how the layer forms its logits (position scheme, scale, QK-norm;
+            `hdi_monitor.models.logits.LogitForm`), for the weight-only logit bound; a form with a
+            ``refusal`` where it is not declared or cannot be read (the default for adapters that
+            do not give one).
 
     Family adapters build layers from `WeightSource` callables (one per projection) and the
     module whose input is the concatenated head output; subclasses may override
@@ -238,6 +243,7 @@ class AttentionLayer:
         kv_map: KVMap = "block",
         projection_dims: Mapping[str, int] | None = None,
         notes: tuple[str, ...] = (),
+        logit_form: LogitForm | None = None,
     ) -> None:
         missing = [p for p in PROJECTIONS if p not in weights]
         if missing:
@@ -270,6 +276,11 @@ class AttentionLayer:
         self.mask_key = mask_key
         self._weights = dict(weights)
         self._output_module = output_module
+        if logit_form is not None and not isinstance(logit_form, LogitForm):
+            raise TypeError(f"{name}: logit_form must be a LogitForm, got {type(logit_form).__name__}")
+        self.logit_form = logit_form or LogitForm.refused(
+            f"family {family!r} declares no logit form (position scheme, scale, QK-norm)"
+        )
 
     def __repr__(self) -> str:
         kv = f"/{self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
@@ -318,6 +329,21 @@ class AttentionLayer:
             return split_in_features(w, heads)
         _check_divides(self.name, projection, w.shape[0], heads, d, "output features")
         return split_out_features(w, heads)
+
+    def qk_norm_gains(self) -> QKNormGains:
+        """The gains of this layer's QK-norm (``logit_form.qk_norm``) as the next forward pass uses
+        them: ``(H, d)`` query and ``(H_kv, d)`` key gains (copies, float32 at least; DTensors
+        gathered; parametrizations left as they were) and the largest norm of one normalised head.
+
+        Raises:
+            ValueError: the layer has no QK-norm.
+            AdapterMismatch: the full gains do not fit the layer's heads.
+        """
+        qk = self.logit_form.qk_norm
+        if qk is None:
+            raise ValueError(f"{self.name}: the layer has no QK-norm")
+        with preserved_parametrizations(self.module):
+            return qk.read()
 
     def attach_output_hook(
         self, fn: OutputHook, on_error: ErrorHandler | None = None, *, select: TokenSelect | None = None

@@ -28,6 +28,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from hdi_monitor.models.base import Adapter, AdapterMismatch, AttentionLayer, KVMap, WeightSource
+from hdi_monitor.models.logits import LogitRule, resolve_logit_form
 from hdi_monitor.models.tensor_parallel import fused_tp_refusal, is_dtensor, tensor_parallel_of, tp_head_counts
 from hdi_monitor.models.weights import base_layer, in_features, is_projection, linear_weight, out_features
 
@@ -321,6 +322,9 @@ class Layout:
             per head ``[q_h | g_h]`` (Qwen3-Next: ``o * sigmoid(g)`` before ``o_proj``). The query heads
             are the ``q_h`` rows; the gate is not a projection the HDI reads, and the hooked head
             outputs are the gated ones (input of ``o_proj``).
+        logits: how the modules of this entry form their logits, for the weight-only logit bound
+            (`hdi_monitor.models.logits.LogitRule`, the first whose classes match); a module that
+            none matches has no bound, and the report says so.
     """
 
     family: str
@@ -341,6 +345,7 @@ class Layout:
     used_by: str = ""
     split: Splitter | None = None
     gated_query: bool = False
+    logits: tuple[LogitRule, ...] = ()
     _classes: re.Pattern | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -355,6 +360,8 @@ class Layout:
             raise ValueError(f"Layout {self.family}: gated_query needs separate query, key and value")
         if self.qkv is not None and self.classes is None:
             raise ValueError(f"Layout {self.family}: a fused layout must name its classes (shape cannot tell it)")
+        if not isinstance(self.logits, tuple) or not all(isinstance(r, LogitRule) for r in self.logits):
+            raise TypeError(f"Layout {self.family}: logits must be a tuple of LogitRule")
         if self.classes is not None:
             object.__setattr__(self, "_classes", re.compile(self.classes))
 
@@ -494,6 +501,16 @@ def build_layer(
     weights["output"] = _source(module, layout.output)
     if mask_key == "auto":
         mask_key = default_mask_key(name, module, root_config) if layout.masked else None
+    d_qk = (dims or {}).get("query", d)
+    logit_form = resolve_logit_form(
+        layout.logits,
+        module,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=d_qk,
+        heads_at=layout.heads_at,
+        root_config=root_config,
+    )
     return AttentionLayer(
         name,
         module,
@@ -508,6 +525,7 @@ def build_layer(
         kv_map=layout.kv_map,
         projection_dims=dims,
         notes=tuple(notes),
+        logit_form=logit_form,
     )
 
 

@@ -42,6 +42,7 @@ from hdi_monitor.models.layout import (
     resolve_heads,
     split_fused,
 )
+from hdi_monitor.models.logits import INVERSE_SQRT_D, LogitRule
 from hdi_monitor.models.weights import base_layer, is_conv1d
 
 # Reader names re-exported for code that imported them from here (the reader is models/layout.py).
@@ -149,6 +150,42 @@ def codegen_split(
     return parts[0], parts[2], parts[1]
 
 
+# ---------------------------------------------------------------------------- logit forms (per class)
+# How each class forms its logits (position scheme, scale, QK-norm: `hdi_monitor.models.logits`), for
+# the weight-only logit bound. Read from the transformers 5.24 source of the classes named (each
+# keeps its scale as `scaling`, or `scale` for CLIP and SigLIP, and applies it to <q, k> or to the
+# query); each is checked in tests/test_logit_bound.py against what its attention kernel receives:
+# at token 0, where rotary embeddings are the identity, the declared scale times the weights'
+# bilinear form gives the kernel's logit, and the bound times the input norms is never below the
+# largest logit. Classes not named here have no bound (the report says so), never a guessed one.
+
+_TF = "transformers."
+
+
+def _absolute(classes: str, scale: float | str = "scaling", note: str = "") -> LogitRule:
+    """Queries and keys reach the product unrotated (absolute or no position embeddings)."""
+    return LogitRule(classes=classes, module_prefix=_TF, rotary=False, scale=scale, note=note)
+
+
+def _rotary(classes: str, scale: float | str = "scaling") -> LogitRule:
+    """Queries and keys are rotated by their positions (rotary embeddings, partial ones included)."""
+    return LogitRule(classes=classes, module_prefix=_TF, rotary=True, scale=scale)
+
+
+_DISENTANGLED = LogitRule(
+    refusal="disentangled attention adds content-to-position and position-to-content terms, which grow with the "
+    "query and key inputs and are not part of W_Q W_K^T"
+)
+_GPT2 = (_absolute(r"GPT2Attention"),)
+_FALCON = (LogitRule(classes=r"FalconAttention", module_prefix=_TF, rotary=None, scale=INVERSE_SQRT_D),)
+_ALIBI = "ALiBi position bias (added to the logits) left out of the logit bound"
+_T5_BIAS = "relative position bias (added to the logits) left out of the logit bound"
+_LLAMA_LIKE = _rotary(
+    r"(Llama|Mistral|Mixtral|Qwen2|Qwen2Moe|Qwen3|Qwen3Moe|Gemma|Gemma2|Gemma3|Olmo|Olmo2|Cohere|StableLm|Granite)"
+    r"Attention"
+)
+
+
 # A data table, one compact entry per layout: kept as written, not reformatted.
 # fmt: off
 LAYOUTS: tuple[Layout, ...] = (
@@ -157,41 +194,45 @@ LAYOUTS: tuple[Layout, ...] = (
            used_by="timm Attention / AttentionRope (ViT, DeiT, EVA, ...)"),
     Layout("timm_vit", "proj", "q_proj", "k_proj", "v_proj", classes=r"AttentionRope", masked=False,
            used_by="timm AttentionRope(qkv_fused=False)"),
-    Layout("vit", "o_proj", "q_proj", "k_proj", "v_proj", vision=True,
+    Layout("vit", "o_proj", "q_proj", "k_proj", "v_proj", vision=True, logits=(_absolute(r"ViTAttention"),),
            used_by="ViT, DeiT, Dinov2 and other vision towers with q_proj/k_proj/v_proj/o_proj"),
     Layout("vit", "output.dense", "attention.query", "attention.key", "attention.value", vision=True,
            heads_at="attention", used_by="ViT-style attention of transformers 4.x"),
     Layout("bert", "output.dense", "self.query", "self.key", "self.value", heads_at="self",
+           logits=(_absolute(r"(Bert|Roberta|Electra)Attention"),),
            used_by="BERT, RoBERTa, ELECTRA, XLM-R, Camembert, ... (self- and cross-attention)"),
     Layout("deberta", "output.dense", "self.query_proj", "self.key_proj", "self.value_proj", heads_at="self",
-           used_by="DeBERTa, DeBERTa-v2/v3 (content projections)"),
+           logits=(_DISENTANGLED,), used_by="DeBERTa, DeBERTa-v2/v3 (content projections)"),
     Layout("gpt2", "c_proj", cross_query="q_attn", qkv="c_attn", packing="contiguous",
-           classes=r"(GPT2|DecisionTransformerGPT2|ImageGPT)Attention", when=_cross,
+           classes=r"(GPT2|DecisionTransformerGPT2|ImageGPT)Attention", when=_cross, logits=_GPT2,
            used_by="GPT-2 cross-attention (query in q_attn, [k|v] in c_attn)"),
     Layout("gpt2", "c_proj", qkv="c_attn", packing="contiguous", classes=r"\w+",
-           when=lambda m: is_conv1d(base_layer(getattr(m, "c_attn", None))) and not _cross(m),
+           when=lambda m: is_conv1d(base_layer(getattr(m, "c_attn", None))) and not _cross(m), logits=_GPT2,
            used_by="GPT-2 and its copies (Conv1D c_attn, transposed weights)"),
     Layout("gpt2", "c_proj", qkv="c_attn", packing="contiguous", classes=r"\w+",
            when=lambda m: _has_n_head(m) and isinstance(getattr(m, "c_attn", None), nn.Module) and not _cross(m),
            used_by="nanoGPT-style c_attn/c_proj nn.Linear with n_head"),
     Layout("gpt_bigcode", "c_proj", qkv="c_attn", packing="multi_query", classes=r"GPTBigCode\w*Attention",
-           when=lambda m: _cfg(m, "multi_query") and not _cross(m), used_by="GPTBigCode / StarCoder, multi_query=True"),
+           when=lambda m: _cfg(m, "multi_query") and not _cross(m), used_by="GPTBigCode / StarCoder, multi_query=True",
+           logits=(_absolute(r"GPTBigCodeAttention"),)),
     Layout("gpt_bigcode", "c_proj", qkv="c_attn", packing="interleaved", classes=r"GPTBigCode\w*Attention",
-           when=lambda m: not _cfg(m, "multi_query") and not _cross(m), used_by="GPTBigCode, multi_query=False"),
+           when=lambda m: not _cfg(m, "multi_query") and not _cross(m), used_by="GPTBigCode, multi_query=False",
+           logits=(_absolute(r"GPTBigCodeAttention"),)),
     Layout("falcon", "dense", qkv="query_key_value", packing="grouped", classes=r"Falcon\w*Attention",
-           when=lambda m: _cfg(m, "new_decoder_architecture"), used_by="Falcon, new decoder architecture (GQA)"),
+           when=lambda m: _cfg(m, "new_decoder_architecture"), used_by="Falcon, new decoder architecture (GQA)",
+           logits=_FALCON),
     Layout("falcon", "dense", qkv="query_key_value", packing="multi_query", classes=r"Falcon\w*Attention",
            when=lambda m: not _cfg(m, "new_decoder_architecture") and _cfg(m, "multi_query"),
-           used_by="Falcon, old architecture with multi-query"),
+           used_by="Falcon, old architecture with multi-query", logits=_FALCON),
     Layout("falcon", "dense", qkv="query_key_value", packing="interleaved", classes=r"Falcon\w*Attention",
            when=lambda m: not _cfg(m, "new_decoder_architecture") and not _cfg(m, "multi_query"),
-           used_by="Falcon, old architecture without multi-query"),
+           used_by="Falcon, old architecture without multi-query", logits=_FALCON),
     Layout("gpt_neox", "dense", qkv="query_key_value", packing="interleaved", classes=r"GPTNeoX\w*Attention",
-           used_by="GPT-NeoX, Pythia"),
+           used_by="GPT-NeoX, Pythia", logits=(_rotary(r"GPTNeoXAttention"),)),
     Layout("bloom", "dense", qkv="query_key_value", packing="interleaved", classes=r"Bloom\w*Attention",
-           used_by="Bloom"),
+           used_by="Bloom", logits=(_absolute(r"BloomAttention", "inv_norm_factor", _ALIBI),)),
     Layout("phi3", "o_proj", qkv="qkv_proj", packing="contiguous", classes=r"Phi3\w*Attention",
-           used_by="Phi-3 (fused qkv_proj, GQA)"),
+           used_by="Phi-3 (fused qkv_proj, GQA)", logits=(_rotary(r"Phi3Attention"),)),
     Layout("phi3", "o_proj", qkv="qkv_proj", packing="contiguous", classes=r"Phi4MultimodalAttention",
            used_by="Phi-4-multimodal language model"),
     Layout("mpt", "out_proj", qkv="Wqkv", packing="contiguous", classes=r"MptAttention", used_by="MPT"),
@@ -211,30 +252,37 @@ LAYOUTS: tuple[Layout, ...] = (
     Layout("blip", "projection", qkv="qkv", packing="contiguous", classes=r"(Blip2|InstructBlip|InstructBlipVideo)Attention",
            masked=False, used_by="BLIP-2 / InstructBLIP vision towers"),
     Layout("modernbert", "Wo", qkv="Wqkv", packing="contiguous", classes=r"ModernBert\w*Attention",
-           used_by="ModernBERT (Wqkv viewed (3, H, d))"),
+           used_by="ModernBERT (Wqkv viewed (3, H, d))", logits=(_rotary(r"ModernBertAttention", INVERSE_SQRT_D),)),
     Layout("persimmon", "dense", qkv="query_key_value", packing="interleaved", classes=r"Persimmon\w*Attention",
-           used_by="Persimmon, Fuyu"),
+           used_by="Persimmon, Fuyu", logits=(_rotary(r"PersimmonAttention"),)),
     Layout("litgpt", "proj", qkv="qkv", packing="contiguous", classes=r"CausalSelfAttention",
            module_prefix="litgpt", used_by="litgpt GPT (n_query_groups GQA)"),
-    Layout("t5", "o", "q", "k", "v", used_by="T5, mT5, UMT5 (encoder, decoder self- and cross-attention)"),
+    Layout("t5", "o", "q", "k", "v", used_by="T5, mT5, UMT5 (encoder, decoder self- and cross-attention)",
+           logits=(_absolute(r"T5Attention", note=_T5_BIAS),)),
     Layout("llama", "o_proj", "q_proj", "k_proj", "v_proj", classes=r"(Qwen3Next|Qwen3_5|Qwen3_5Moe|Qwen4Exp\w*)Attention",
            gated_query=True,
            used_by="Qwen3-Next, Qwen3.5 full-attention layers (q_proj rows (H, [q|gate], d), output gate)"),
-    Layout("llama", "o_proj", "q_proj", "k_proj", "v_proj",
+    Layout("llama", "o_proj", "q_proj", "k_proj", "v_proj", logits=(_LLAMA_LIKE,),
            used_by="Llama, Mistral, Mixtral, Qwen2/3, Gemma 1/2/3, OLMo 1/2, DeepSeek (MHA), ..."),
     Layout("bart", "out_proj", "q_proj", "k_proj", "v_proj",
+           logits=(_rotary(r"GPTJAttention"), _absolute(r"(Bart|MBart|Marian|Whisper|Wav2Vec2|OPT)Attention"),
+                   _absolute(r"(CLIP|Siglip)Attention", "scale")),
            used_by="BART, mBART, Marian, Pegasus, Whisper, Wav2Vec2, OPT, GPT-J, CLIP, SigLIP, ..."),
-    Layout("phi", "dense", "q_proj", "k_proj", "v_proj", used_by="Phi-1/1.5/2"),
+    Layout("phi", "dense", "q_proj", "k_proj", "v_proj", used_by="Phi-1/1.5/2", logits=(_rotary(r"PhiAttention"),)),
     Layout("vit", "proj", "q_proj", "k_proj", "v_proj", used_by="vision towers with q_proj/k_proj/v_proj/proj (Kimi-K2.5, ...)"),
     Layout("vit", "projection_layer", "q_proj", "k_proj", "v_proj", used_by="InternVL, Janus vision towers"),
     Layout("modernbert", "Wo", "q_proj", "k_proj", "v_proj", used_by="ModernBERT decoder"),
     Layout("conformer", "linear_out", "linear_q", "linear_k", "linear_v",
            used_by="Wav2Vec2-Conformer, Wav2Vec2-BERT, SeamlessM4T, FastSpeech2-Conformer (content projections)"),
-    Layout("ctrl", "dense", "Wq", "Wk", "Wv", used_by="CTRL"),
+    Layout("ctrl", "dense", "Wq", "Wk", "Wv", used_by="CTRL",
+           logits=(LogitRule(classes=r"MultiHeadAttention", module_prefix="transformers.models.ctrl", rotary=False,
+                             scale="scaling"),)),
     Layout("bert_attention", "output.dense", "attention.query", "attention.key", "attention.value",
            heads_at="attention", used_by="FLAVA and other attention.{query,key,value} + output.dense modules"),
-    Layout("distilbert", "out_lin", "q_lin", "k_lin", "v_lin", used_by="DistilBERT"),
-    Layout("albert", "dense", "query", "key", "value", used_by="ALBERT (one module shared by all layers)"),
+    Layout("distilbert", "out_lin", "q_lin", "k_lin", "v_lin", used_by="DistilBERT",
+           logits=(_absolute(r"DistilBertSelfAttention"),)),
+    Layout("albert", "dense", "query", "key", "value", used_by="ALBERT (one module shared by all layers)",
+           logits=(_absolute(r"AlbertAttention"),)),
     Layout("x_transformers", "to_out", "to_q", "to_k", "to_v", classes=r"Attention", module_prefix="x_transformers",
            kv_map="modulo", used_by="x-transformers Attention (GQA maps query head h to h % H_kv)"),
     Layout("wqkvo", "wo", "wq", "wk", "wv", used_by="Meta-reference style wq/wk/wv/wo"),
@@ -258,6 +306,7 @@ LAYOUTS: tuple[Layout, ...] = (
         classes=r"DebertaAttention",
         heads_at="self",
         used_by="DeBERTa v1 (in_proj viewed (H, 3 d), content projections)",
+        logits=(_DISENTANGLED,),
     ),
     Layout(
         "vit", "output", "query", "key", "value", classes=r"Kosmos2_5VisionAttention", used_by="Kosmos-2.5 vision tower"

@@ -27,12 +27,17 @@ from torch import Tensor, nn
 
 from hdi_monitor.models.base import Adapter, AdapterMismatch, AttentionLayer
 from hdi_monitor.models.layout import default_mask_key
+from hdi_monitor.models.logits import LogitForm
 from hdi_monitor.models.tensor_parallel import tensor_parallel_of
 from hdi_monitor.models.weights import is_projection, linear_weight
 
-__all__ = ["ADAPTER", "ROPE_NOTE"]
+__all__ = ["ADAPTER", "LOGIT_REFUSAL", "ROPE_NOTE"]
 
 ROPE_NOTE = "MLA: the RoPE key part shared by all heads is left out of the per-head key subspaces"
+LOGIT_REFUSAL = (
+    "MLA: the logit is the sum of a per-head term through the RMS-normalised latents and a RoPE term with the key "
+    "part shared by all heads; the composed per-head maps do not bound it"
+)
 
 
 def _int(module: nn.Module, attr: str) -> int | None:
@@ -120,6 +125,7 @@ def _build(name: str, module: nn.Module, root_config: Any = None) -> AttentionLa
         mask_key=default_mask_key(name, module, root_config),
         projection_dims={"query": nope + rope, "key": nope, "value": dv, "output": dv},
         notes=(ROPE_NOTE,),
+        logit_form=LogitForm.refused(LOGIT_REFUSAL),
     )
 
 

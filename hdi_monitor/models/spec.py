@@ -14,6 +14,7 @@ from hdi_monitor._validation import check_choice, check_instance, check_int, che
 from hdi_monitor.models.base import AttentionLayer, KVMap, WeightSource
 from hdi_monitor.models.layout import DIM_ATTRS, HEADS_ATTRS
 from hdi_monitor.models.layouts import PACKINGS, Packing, default_mask_key, resolve_heads, split_fused
+from hdi_monitor.models.logits import LogitRule, resolve_logit_form
 from hdi_monitor.models.weights import is_projection, linear_weight
 
 __all__ = ["AttentionSpec", "as_specs"]
@@ -91,6 +92,10 @@ class AttentionSpec:
             ``"multi_query"`` ``[q | k (d) | v (d)]``.
         kv_map: ``"block"`` (query head ``h`` reads key/value head ``h // (H/H_kv)``) or
             ``"modulo"`` (``h % H_kv``).
+        logits: how the modules form their logits, for the weight-only logit bound
+            (`hdi_monitor.models.logits.LogitRule`: position scheme, scale, QK-norm children), e.g.
+            ``LogitRule(rotary=True, scale="1/sqrt(d)")``. None (default): no logit bound for these
+            modules, and the report says so.
     """
 
     modules: str | Callable[[str, nn.Module], bool]
@@ -107,6 +112,7 @@ class AttentionSpec:
     qkv: Ref | None = None
     qkv_layout: Packing | None = None
     kv_map: KVMap = "block"
+    logits: LogitRule | None = None
     _pattern: re.Pattern | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -151,6 +157,7 @@ class AttentionSpec:
             )
         check_choice("AttentionSpec.kv_map", self.kv_map, KVMap)
         check_instance("AttentionSpec.mask_key", self.mask_key, str, optional=True)
+        check_instance("AttentionSpec.logits", self.logits, LogitRule, optional=True)
 
     def matches(self, name: str, module: nn.Module) -> bool:
         """Whether the module called ``name`` is an attention layer under this spec."""
@@ -258,6 +265,18 @@ class AttentionSpec:
         sources["output"] = out_src
         out_mod = self._output_module(name, module)
         key = default_mask_key(name, module, root_config) if self.mask_key == "auto" else self.mask_key
+        logit_form = resolve_logit_form(
+            () if self.logits is None else (self.logits,),
+            module,
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=d,
+            root_config=root_config,
+            undeclared=(
+                f"{type(module).__name__}: AttentionSpec(modules={self.modules!r}) declares no logits=LogitRule(...) "
+                "(position scheme, scale, QK-norm) that matches it"
+            ),
+        )
         return AttentionLayer(
             name,
             module,
@@ -270,6 +289,7 @@ class AttentionSpec:
             output_module=out_mod,
             mask_key=key,
             kv_map=self.kv_map,
+            logit_form=logit_form,
         )
 
     def _check_declared(self, name: str, module: nn.Module, heads: int, head_dim: int, inner: int) -> None:

@@ -43,6 +43,7 @@ from hdi_monitor.models.base import (
     full_weight,
     guarded,
 )
+from hdi_monitor.models.logits import LogitForm
 from hdi_monitor.models.tensor_parallel import tensor_parallel_of
 
 __all__ = ["ADAPTER", "MHALayer", "hold_fastpath_off", "mha_head_outputs", "mha_heads", "unnest_self_attention"]
@@ -316,6 +317,12 @@ def _build(name: str, module: nn.Module) -> AttentionLayer:
         model_dim=mha.embed_dim,
         weights={"query": q, "key": k, "value": v, "output": lambda: mha.out_proj.weight},
         mask_key=None,
+        # F.multi_head_attention_forward: no position rotation, scale 1/sqrt(head_dim), no QK-norm
+        logit_form=LogitForm(
+            rotary=False,
+            scale=mha.head_dim**-0.5,
+            notes=("bias_k (an extra learned key) left out of the logit bound",) if mha.bias_k is not None else (),
+        ),
     )
 
 

@@ -193,6 +193,7 @@ def _one_config(rank: int, use_orig_params: bool) -> dict[str, Any]:
         steps.append(
             {
                 "hdi": {lay.name: dict(lay.hdi) for lay in measurement.report.layers},
+                "logit_bound": {lay.name: lay.logit_bound for lay in measurement.report.layers},
                 "effective_heads": effective,
                 "effective_heads_by_rank": both,
                 "covariance": [lay.covariance for lay in measurement.report.layers],
