@@ -216,6 +216,10 @@ class AttentionLayer:
             or None. Head counts are always the global ones.
         output_module: the module whose input is the concatenated head output (hooked for
             activation statistics).
+        ancestors: the modules above this one in the model it was discovered in, outermost (that
+            model) first; empty for a layer built outside discovery. A measured call takes its
+            token mask from the outermost running one whose ``forward`` takes ``mask_key`` as an
+            argument (see `hdi_monitor.models.hooks.CallMasks`).
 
     Family adapters build layers from `WeightSource` callables (one per projection) and the
     module whose input is the concatenated head output; subclasses may override
@@ -270,6 +274,7 @@ class AttentionLayer:
         self.mask_key = mask_key
         self._weights = dict(weights)
         self._output_module = output_module
+        self.ancestors: tuple[nn.Module, ...] = ()
 
     def __repr__(self) -> str:
         kv = f"/{self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""

@@ -3,16 +3,21 @@
 Shared by `hdi_monitor.head_diversity` (one-shot, ``inputs=``) and
 `hdi_monitor.HDITracker` (during training). Family knowledge stays in the adapters: each
 `AttentionLayer` knows how to deliver its concatenated head outputs
-``o`` and a keep-mask; this module only routes them, adding the batch's padding mask when the batch
-is a dict holding the layer's ``mask_key`` with a matching shape.
+``o`` and a keep-mask; this module only routes them, adding each call's token mask (`CallMasks`):
+the mask the call itself received (the ``mask_key`` argument of the outermost running module above
+the layer that takes one: each sub-model's own, each of several calls its own), else the batch's
+``batch[mask_key]``, applied where its shape matches the hooked tokens.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -26,6 +31,7 @@ from hdi_monitor.models.kernel_capture import KernelStatsCapture
 
 __all__ = [
     "CallCounts",
+    "CallMasks",
     "attach_capture",
     "attach_output_hooks",
     "batch_mask",
@@ -45,15 +51,174 @@ def batch_mask(batch: Any, key: str | None) -> Tensor | None:
     return mask if isinstance(mask, Tensor) else None
 
 
-def query_mask(batch: Any, layers: Sequence[AttentionLayer]) -> Tensor | None:
-    """The batch's token mask (the first layer's ``mask_key``) as a bool query mask for the kernel
-    statistics (True = real token), or None."""
-    mask = batch_mask(batch, layers[0].mask_key) if layers else None
-    return None if mask is None else mask.to(torch.bool)
-
-
 #: Layers already warned about a mask that does not fit their tokens (once per layer object).
 _MASK_WARNED: weakref.WeakSet[AttentionLayer] = weakref.WeakSet()
+#: Layers already warned about a batch mask that cannot be tied to each call (once per layer object).
+_UNTIED_WARNED: weakref.WeakSet[AttentionLayer] = weakref.WeakSet()
+
+_NO_ARG = object()  # a call that does not pass the argument and whose forward gives it no default
+
+
+@dataclass(frozen=True)
+class _Arg:
+    """Where a ``forward`` takes one argument: its position (None: keyword-only) and its default."""
+
+    index: int | None
+    default: Any
+
+    def read(self, args: tuple, kwargs: dict, name: str) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        if self.index is not None and self.index < len(args):
+            return args[self.index]
+        return self.default
+
+
+def _takes(module: nn.Module, name: str) -> _Arg | None:
+    """How ``module.forward`` takes an argument called ``name`` (not through ``**kwargs``), or None."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for p in params:
+        if p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            default = None if p.default is p.empty else p.default
+            index = positional.index(p) if p.kind == p.POSITIONAL_OR_KEYWORD else None
+            return _Arg(index, default)
+    return None
+
+
+@dataclass
+class _Call:
+    """One running call of a mask source: the module and the values of the mask arguments it took."""
+
+    module: nn.Module
+    values: dict[str, Any]
+
+
+def untied_mask_message(layer: str, key: str, calls: int) -> str:
+    """What `CallMasks` says when the batch's mask is applied to a model that ran more than once."""
+    return (
+        f"hdi-monitor: {layer}: the model ran {calls} calls in this measured step and no module above the layer "
+        f"takes the token mask as an argument named {key!r}, so the batch's {key!r} cannot be tied to each call: "
+        "it is applied to every call whose tokens have its shape (a call with other inputs, a dual encoder's "
+        "documents say, is then counted with the first batch's padding). Pass each call its mask as an argument "
+        f"named {key!r}, or name the argument your model takes with AttentionSpec(mask_key=...). "
+        "(Said once per layer.)"
+    )
+
+
+class CallMasks:
+    """The ``(B, T)`` token mask of each watched layer's call, read while the call runs.
+
+    For a layer with a ``mask_key``, the mask of a call is, in this order:
+
+    1. the value of the ``mask_key`` argument of the **outermost running** module above the layer whose
+       ``forward`` takes an argument of that name (`AttentionLayer.ancestors`; a Hugging Face model's
+       ``attention_mask``, the ``decoder_attention_mask`` of an encoder-decoder model for its decoder
+       layers): the mask the call itself received, so each sub-model and each of several calls of one
+       model (a dual encoder's queries and documents) has its own. A call that passes none (None) has no
+       padding: all its tokens are real;
+    2. where no such module is running, the batch's ``batch[mask_key]`` (`batch_mask`). If the model
+       (the outermost ancestor) ran more than once while attached, that mask cannot be tied to each
+       call: it is applied to every call it fits, and a `MonitoringWarning` names the layer, once.
+
+    `hooks` puts a forward pre-hook and an always-called forward hook on each module in (1) and on
+    the model; they read arguments only (no tensor op), and do nothing while Dynamo traces.
+
+    Args:
+        layers: the layers measured with these masks.
+        batch: the step's batch (a mapping holding ``mask_key`` tensors), or anything else.
+    """
+
+    def __init__(self, layers: Sequence[AttentionLayer], batch: Any) -> None:
+        self.batch = batch
+        self._local = threading.local()
+        self._layers = {layer.name: layer for layer in layers}
+        self._watch: dict[int, tuple[nn.Module, dict[str, _Arg]]] = {}  # id -> (module, {key: where})
+        self._sources: dict[str, frozenset[int]] = {}  # layer name -> ids of its mask sources
+        self._root: dict[str, int] = {}  # layer name -> id of its model
+        self._calls: dict[int, int] = {}
+        for layer in layers:
+            key = layer.mask_key
+            if key is None or not layer.ancestors:
+                continue
+            ids = set()
+            for module in layer.ancestors:
+                where = _takes(module, key)
+                if where is not None:
+                    self._watch.setdefault(id(module), (module, {}))[1][key] = where
+                    ids.add(id(module))
+            self._sources[layer.name] = frozenset(ids)
+            root = layer.ancestors[0]
+            self._watch.setdefault(id(root), (root, {}))
+            self._root[layer.name] = id(root)
+
+    def _stack(self) -> list[_Call]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def hooks(self) -> list[Any]:
+        """Attach the hooks that follow the running calls; returns their handles (``.remove()``)."""
+        handles: list[Any] = []
+        try:
+            for module, args in self._watch.values():
+                pre = partial(self._enter, args)
+                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(module.register_forward_hook(self._leave, with_kwargs=True, always_call=True))
+        except BaseException:
+            for handle in handles:
+                handle.remove()
+            raise
+        return handles
+
+    def _enter(self, where: dict[str, _Arg], module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():
+            return
+        self._calls[id(module)] = self._calls.get(id(module), 0) + 1  # read for the models only
+        values = {key: arg.read(args, kwargs, key) for key, arg in where.items()}
+        self._stack().append(_Call(module, values))
+
+    def _leave(self, module: nn.Module, *_: Any) -> None:
+        # ``*_``: (args, kwargs, output), or (args, output) when the handle was removed while torch was
+        # already running the module's forward hooks (a hook that stops the capture runs before this one)
+        if torch.compiler.is_compiling():
+            return
+        stack = self._stack()
+        if not any(call.module is module for call in stack):
+            return  # attached while this call was running: its pre-hook never ran
+        while stack:  # also unwinds calls an exception left behind
+            if stack.pop().module is module:
+                break
+
+    def mask(self, layer: AttentionLayer) -> Tensor | None:
+        """The token mask of ``layer``'s running call (see the class docstring), or None."""
+        key = layer.mask_key
+        if key is None:
+            return None
+        sources = self._sources.get(layer.name, frozenset())
+        for call in self._stack():  # outermost first
+            if id(call.module) in sources:
+                value = call.values.get(key, _NO_ARG)
+                if value is None or isinstance(value, Tensor):
+                    return value
+        mask = batch_mask(self.batch, key)
+        root = self._root.get(layer.name)
+        calls = self._calls.get(root, 0) if root is not None else 0
+        if mask is not None and calls > 1 and layer not in _UNTIED_WARNED:
+            _UNTIED_WARNED.add(layer)
+            warnings.warn(untied_mask_message(layer.name, key, calls), MonitoringWarning, stacklevel=2)
+        return mask
+
+    def query_mask(self, name: str) -> Tensor | None:
+        """`mask` of the layer called ``name`` as a bool mask (True = real token), for the kernel
+        statistics (`KernelStatsCapture.set_query_mask`)."""
+        layer = self._layers.get(name)
+        mask = None if layer is None else self.mask(layer)
+        return None if mask is None else mask.to(torch.bool)
 
 
 def mask_mismatch_message(layer: str, key: str, mask_shape: tuple[int, ...], token_shape: tuple[int, ...]) -> str:
@@ -103,7 +268,7 @@ def _with_mask(mask: Tensor | None, layer: AttentionLayer, o: Tensor, keep: Tens
 
 def _on_output(
     acc: HeadCovarianceAccumulator,
-    mask: Tensor | None,
+    masks: CallMasks | None,
     layer: AttentionLayer,
     counts: CallCounts | None,
     o: Tensor,
@@ -111,18 +276,19 @@ def _on_output(
 ) -> None:
     if counts is not None:
         counts.output_calls[layer.name] = counts.output_calls.get(layer.name, 0) + 1
+    mask = None if masks is None else masks.mask(layer)
     acc.update(o.detach(), _with_mask(mask, layer, o, keep))
 
 
 def _select_tokens(
-    acc: HeadCovarianceAccumulator, mask: Tensor | None, layer: AttentionLayer, o: Tensor
+    acc: HeadCovarianceAccumulator, masks: CallMasks, layer: AttentionLayer, o: Tensor
 ) -> tuple[Tensor, Tensor | None]:
     """Under tensor parallelism, before the gather: the rows of this rank's share that ``acc`` would
     use (the batch mask, then its token budget drawn from its generator: the same draw on every TP
     rank, which all see the same tokens), as at most ``max_tokens`` rows and their keep flags, so
     that the gather moves at most ``max_tokens`` tokens of every head. The chosen rows come first;
     rows that pad a short selection are flagged False. No host sync (the row count is fixed)."""
-    keep = _with_mask(mask, layer, o, None)
+    keep = _with_mask(masks.mask(layer), layer, o, None)
     flat = o.reshape(-1, o.shape[-1])
     n = flat.shape[0]
     chosen, cap = acc.select_tokens(None if keep is None else keep.reshape(-1), n)
@@ -142,27 +308,33 @@ def attach_output_hooks(
     batch: Any = None,
     on_error: Callable[[Exception], None] | None = None,
     counts: CallCounts | None = None,
+    masks: CallMasks | None = None,
 ) -> list[Any]:
     """Feed every layer's head outputs into its accumulator; returns handles to ``.remove()``.
 
-    A batch mask (``batch[layer.mask_key]``) whose shape is not the shape of the layer's hooked
-    tokens is not applied, and a `MonitoringWarning` says so once per layer, naming both shapes.
-    With ``on_error``, an exception inside a hook goes to ``on_error(err)`` instead of the forward
-    pass. With ``counts``, the calls of each layer's module and of its head-output hook are counted
-    there (a counting forward pre-hook on the attention module, removed with the others).
+    Each call's tokens are masked with that call's token mask (`CallMasks`: the mask the call
+    received, else ``batch[layer.mask_key]``). A mask whose shape is not the shape of the layer's
+    hooked tokens is not applied, and a `MonitoringWarning` says so once per layer, naming both
+    shapes. With ``on_error``, an exception inside a hook goes to ``on_error(err)`` instead of the
+    forward pass. With ``counts``, the calls of each layer's module and of its head-output hook are
+    counted there (a counting forward pre-hook on the attention module, removed with the others).
+    ``masks``: a `CallMasks` whose hooks the caller attaches (`attach_capture` shares one with the
+    kernel statistics); None: one for ``layers`` and ``batch``, attached here.
     """
     handles: list[Any] = []
     try:
+        if masks is None:
+            masks = CallMasks([la for la, acc in zip(layers, accumulators, strict=True) if acc is not None], batch)
+            handles += masks.hooks()
         for layer, acc in zip(layers, accumulators, strict=True):
             if acc is not None:
-                mask = batch_mask(batch, layer.mask_key)
                 if getattr(layer, "tensor_parallel", None) is not None:
-                    # the batch mask and the subsample are applied to this rank's share, before the gather
-                    select = partial(_select_tokens, acc, mask, layer)
+                    # the call's mask and the subsample are applied to this rank's share, before the gather
+                    select = partial(_select_tokens, acc, masks, layer)
                     fn = partial(_on_output, acc, None, layer, counts)
                     handles.append(layer.attach_output_hook(fn, on_error=on_error, select=select))
                 else:
-                    fn = partial(_on_output, acc, mask, layer, counts)
+                    fn = partial(_on_output, acc, masks, layer, counts)
                     handles.append(layer.attach_output_hook(fn, on_error=on_error))
                 if counts is not None:
                     counts.module_calls.setdefault(layer.name, 0)
@@ -197,18 +369,20 @@ def attach_capture(
     counts: CallCounts | None = None,
 ) -> list[Any]:
     """Everything one measured forward pass captures: the head-output hooks of `attach_output_hooks`
-    and, with ``kernel``, that kernel-statistics capture entered with the batch's query mask (see
-    `query_mask`). Returns handles to ``.remove()``; on an error, those already attached are removed."""
-    handles = attach_output_hooks(layers, accumulators, batch, on_error=on_error, counts=counts)
-    if kernel is not None:
-        try:
-            mask = query_mask(batch, layers)
-            kernel.set_query_mask(mask)
+    and, with ``kernel``, that kernel-statistics capture entered with each layer's query mask: the
+    same `CallMasks` as the head outputs (each call's own mask, each sub-model's own key). Returns
+    handles to ``.remove()``; on an error, those already attached are removed."""
+    masks = CallMasks(layers, batch)
+    handles = masks.hooks()
+    try:
+        handles += attach_output_hooks(layers, accumulators, batch, on_error=on_error, counts=counts, masks=masks)
+        if kernel is not None:
+            kernel.set_query_mask(masks.query_mask)
             handles.append(_Entered(kernel))
-        except BaseException:
-            for handle in handles:
-                handle.remove()
-            raise
+    except BaseException:
+        for handle in handles:
+            handle.remove()
+        raise
     return handles
 
 
