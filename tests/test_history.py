@@ -97,3 +97,22 @@ def test_a_checkpoint_round_trip_keeps_the_same_rows_and_goes_on_the_same_way():
     assert len(small) <= 16 and kept[0] == 0 and kept[-8:] == list(range(4_992, 5_000))
     gaps = [b - a for a, b in zip(kept, kept[1:], strict=False)]
     assert max(gaps) <= _documented_spacing(5_000, 16) and gaps == sorted(gaps, reverse=True)
+
+
+def test_a_malformed_state_is_refused_naming_the_history():
+    history = History(16)
+    _fill(history, 40)
+    good = history.state_dict()
+    for change in (
+        {"ordinals": list(reversed(good["ordinals"]))},
+        {"ordinals": good["ordinals"][:-1]},
+        {"ordinals": "0,1,2"},
+        {"count": None},
+        {"count": good["ordinals"][-1]},  # a kept measurement beyond the count
+    ):
+        with pytest.raises(ValueError, match="malformed history state"):
+            History.from_state({**good, **change}, 16)
+    # a state saved before the measurement numbers (version 2) loads its rows as consecutive measurements
+    old = {k: v for k, v in good.items() if k not in ("ordinals", "count")} | {"version": 2}
+    restored = History.from_state(old, 16)
+    assert restored.steps == history.steps and restored == history

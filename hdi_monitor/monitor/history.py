@@ -246,8 +246,13 @@ class History(Sequence[Mapping[str, float]]):
                 columns[Series(family, projection, layer, stat)] = data
             if state["version"] == 2:
                 self._fill(steps, columns)
-            else:
-                self._fill(steps, columns, [int(i) for i in state["ordinals"]], int(state["count"]))
+                return
+            ordinals, count = state.get("ordinals"), state.get("count")
+            if not isinstance(ordinals, list) or not all(isinstance(i, int) for i in ordinals):
+                raise ValueError("malformed history state: 'ordinals' must be a list of integers")
+            if not isinstance(count, int) or isinstance(count, bool):
+                raise ValueError(f"malformed history state: 'count' must be an integer, got {count!r}")
+            self._fill(steps, columns, ordinals, count)
         else:
             version = state.get("version") if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(
