@@ -124,3 +124,41 @@ def test_capture_of_a_module_with_an_additive_mask_matches_the_real_key_brute_fo
     torch.testing.assert_close(res.uniform_entropy, uni, atol=TOL, rtol=0)
     torch.testing.assert_close(res.entropy, ent, atol=1e-5, rtol=0)
     torch.testing.assert_close(res.max_logit, top, atol=1e-4, rtol=0)
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling=None, position_bias=None, **_):
+    """A modeling file's own eager function (T5 style: a relative position bias added to the logits);
+    the capture patches it in this module, as it does in transformers' modeling modules."""
+    logits = query @ key.transpose(-1, -2) * scaling + position_bias + attention_mask
+    return torch.softmax(logits, -1) @ value, None
+
+
+class BiasedEagerAttention(AdditiveMaskAttention):
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
+        self.seen.append((q.detach(), k.detach()))
+        mask = torch.zeros(b, 1, 1, t).masked_fill(attention_mask[:, None, None, :] == 0, -1e4)
+        self.bias = torch.full((1, self.heads, t, t), 50.0)  # pushes a -1e4 padded key above the threshold
+        o, _ = eager_attention_forward(self, q, k, v, mask, scaling=0.5, position_bias=self.bias)
+        return self.out(o.transpose(1, 2).reshape(b, t, -1))
+
+
+def test_a_position_bias_never_unmasks_a_padded_key():
+    """Eager attention with a relative position bias: a padded key at ``-1e4`` stays masked whatever
+    the bias adds (``-1e4 + 50`` is above the threshold: the sum was read as an allowed key)."""
+    torch.manual_seed(0)
+    attn = BiasedEagerAttention().eval()
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(3))
+    real = torch.ones(2, 6, dtype=torch.bool)
+    real[1, 4:] = False
+    with torch.no_grad(), KernelStatsCapture({"attn": attn}, query_mask=real) as cap:
+        attn(x, real.long())
+    res = cap.results()["attn"]
+    q, k = attn.seen[0]
+    # the reference: a constant bias over the real keys does not change their softmax
+    ent, uni, top, n = real_key_brute(q, k, real, real, 0.5)
+    assert cap.unreachable == [] and res.num_queries.tolist() == [n, n] == [10, 10]
+    torch.testing.assert_close(res.uniform_entropy, uni, atol=TOL, rtol=0)
+    torch.testing.assert_close(res.entropy, ent, atol=1e-5, rtol=0)
+    torch.testing.assert_close(res.max_logit, top, atol=1e-4, rtol=0)

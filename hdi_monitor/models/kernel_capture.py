@@ -56,6 +56,7 @@ from torch import Tensor, nn
 from hdi_monitor._validation import check_instance, check_int
 from hdi_monitor.functional._numerics import no_autocast
 from hdi_monitor.functional.kernel import (
+    MASKED_AT,
     KernelStatsAccumulator,
     KernelStatsResult,
     compute_kernel_results,
@@ -448,8 +449,8 @@ class KernelCapture:
                 mask = bias
             elif mask.dtype == torch.bool:
                 mask = torch.where(mask, bias, -math.inf)
-            else:
-                mask = bias + mask
+            else:  # a masked key stays masked whatever the bias adds (a -1e4 mask plus a positive bias)
+                mask = torch.where(mask > MASKED_AT, bias + mask, -math.inf)
         kv_map = (
             None if key.shape[1] == query.shape[1] else default_kv_head_map(query.shape[1], key.shape[1], query.device)
         )
