@@ -140,6 +140,7 @@ class CallMasks:
         self._sources: dict[str, frozenset[int]] = {}  # layer name -> ids of its mask sources
         self._root: dict[str, int] = {}  # layer name -> id of its model
         self._calls: dict[int, int] = {}
+        self._on_error: Callable[[Exception], None] | None = None
         for layer in layers:
             key = layer.mask_key
             if key is None or not layer.ancestors:
@@ -161,8 +162,10 @@ class CallMasks:
             stack = self._local.stack = []
         return stack
 
-    def hooks(self) -> list[Any]:
-        """Attach the hooks that follow the running calls; returns their handles (``.remove()``)."""
+    def hooks(self, on_error: Callable[[Exception], None] | None = None) -> list[Any]:
+        """Attach the hooks that follow the running calls; returns their handles (``.remove()``).
+        With ``on_error``, an exception inside them goes there instead of into the forward pass."""
+        self._on_error = on_error
         handles: list[Any] = []
         try:
             for module, args in self._watch.values():
@@ -175,24 +178,35 @@ class CallMasks:
             raise
         return handles
 
+    def _failed(self, err: Exception) -> None:
+        if self._on_error is None:
+            raise err
+        self._on_error(err)
+
     def _enter(self, where: dict[str, _Arg], module: nn.Module, args: tuple, kwargs: dict) -> None:
         if torch.compiler.is_compiling():
             return
-        self._calls[id(module)] = self._calls.get(id(module), 0) + 1  # read for the models only
-        values = {key: arg.read(args, kwargs, key) for key, arg in where.items()}
-        self._stack().append(_Call(module, values))
+        try:
+            self._calls[id(module)] = self._calls.get(id(module), 0) + 1  # read for the models only
+            values = {key: arg.read(args, kwargs, key) for key, arg in where.items()}
+            self._stack().append(_Call(module, values))
+        except Exception as err:  # noqa: BLE001 - monitoring must not break the forward pass
+            self._failed(err)
 
     def _leave(self, module: nn.Module, *_: Any) -> None:
         # ``*_``: (args, kwargs, output), or (args, output) when the handle was removed while torch was
         # already running the module's forward hooks (a hook that stops the capture runs before this one)
         if torch.compiler.is_compiling():
             return
-        stack = self._stack()
-        if not any(call.module is module for call in stack):
-            return  # attached while this call was running: its pre-hook never ran
-        while stack:  # also unwinds calls an exception left behind
-            if stack.pop().module is module:
-                break
+        try:
+            stack = self._stack()
+            if not any(call.module is module for call in stack):
+                return  # attached while this call was running: its pre-hook never ran
+            while stack:  # also unwinds calls an exception left behind
+                if stack.pop().module is module:
+                    break
+        except Exception as err:  # noqa: BLE001 - monitoring must not break the forward pass
+            self._failed(err)
 
     def mask(self, layer: AttentionLayer) -> Tensor | None:
         """The token mask of ``layer``'s running call (see the class docstring), or None."""
@@ -325,7 +339,7 @@ def attach_output_hooks(
     try:
         if masks is None:
             masks = CallMasks([la for la, acc in zip(layers, accumulators, strict=True) if acc is not None], batch)
-            handles += masks.hooks()
+            handles += masks.hooks(on_error)
         for layer, acc in zip(layers, accumulators, strict=True):
             if acc is not None:
                 if getattr(layer, "tensor_parallel", None) is not None:
@@ -373,7 +387,7 @@ def attach_capture(
     same `CallMasks` as the head outputs (each call's own mask, each sub-model's own key). Returns
     handles to ``.remove()``; on an error, those already attached are removed."""
     masks = CallMasks(layers, batch)
-    handles = masks.hooks()
+    handles = masks.hooks(on_error)
     try:
         handles += attach_output_hooks(layers, accumulators, batch, on_error=on_error, counts=counts, masks=masks)
         if kernel is not None:
