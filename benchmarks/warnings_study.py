@@ -90,7 +90,8 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from hdi_monitor.ablation import ablate_heads
-from hdi_monitor.monitor.detector import KernelDetector, SaturationDetector
+from hdi_monitor.monitor.detector import SaturationDetector
+from hdi_monitor.monitor.kernel_detector import KernelDetector
 from hdi_monitor.monitor.tracker import HDITracker
 from hdi_monitor.report import Projection
 

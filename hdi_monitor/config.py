@@ -32,11 +32,16 @@ from hdi_monitor.models.spec import as_specs
 __all__ = [
     "DEFAULTS",
     "DEFAULT_HISTORY_BUDGET",
+    "MAX_HISTORY_BUDGET",
     "DEFAULT_MAX_HISTOGRAM_LAYERS",
     "DEFAULT_MAX_IMAGE_LAYERS",
     "EventAction",
     "MonitorConfig",
+    "SEED_MAX",
 ]
+
+#: The largest ``seed``: ``torch.Generator.manual_seed`` takes ``[0, 2**64 - 1]``.
+SEED_MAX = 2**64 - 1
 
 #: What a measured step's early-warning events trigger.
 EventAction = Literal["warn", "stop"] | Callable[[DiversityEvent], Any]
@@ -46,6 +51,8 @@ DEFAULT_MAX_IMAGE_LAYERS = 16
 DEFAULT_MAX_HISTOGRAM_LAYERS = 8
 #: Default of ``history_budget``: measured steps kept in the history.
 DEFAULT_HISTORY_BUDGET = 512
+#: The largest ``history_budget`` (its rows are preallocated: 8 MiB per series at this size).
+MAX_HISTORY_BUDGET = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,8 @@ class MonitorConfig:
             ``"stop"`` (warn, and stop training on saturation or collapse) or a callable that
             receives each `DiversityEvent`.
         strict: raise internal errors instead of turning them into warnings (for tests).
-        seed: seed of the monitor's own ``torch.Generator`` (the token subsample). The global
+        seed: seed of the monitor's own ``torch.Generator`` (the token subsample), an integer in
+            ``[0, 2**64 - 1]`` (what ``torch.Generator.manual_seed`` takes). The global
             generators are never drawn from, so training is bit-identical with and without the
             monitor; the generator state is saved with the monitor's state for resume.
         loss_tag: the scalar tag of the training loss charted beside the HDI in the Custom
@@ -85,8 +93,12 @@ class MonitorConfig:
         max_histogram_layers: layers with a principal-angle histogram of their own; with more,
             adjacent layers are grouped into this many histograms.
         history_budget: measured steps kept in the history, the checkpoint and the diversity
-            map's columns (at least 4): the newest half in full, older ones downsampled (see
-            `hdi_monitor.monitor.history.History`); memory stays flat however long the run.
+            map's columns (from 4 to 1,048,576): the newest half in full, older ones downsampled
+            (see `hdi_monitor.monitor.history.History`); memory stays flat however long the run.
+            It is preallocated: 8 bytes per series per kept step (6 series per layer, 8 with
+            ``kernel_stats``, up to 5 more for a layer with invalid heads, and about 35 for the
+            model), plus 16 bytes per kept step: 0.2 MiB for 4 layers at the default 512, 8 MiB
+            per series at the maximum.
         image_queue_size: image steps waiting to be drawn on the background thread at most; an
             image step that finds the queue full has its pictures dropped (noted in a warning),
             so drawing never holds the training step.
@@ -137,12 +149,12 @@ class MonitorConfig:
             raise ValueError(f"on_saturation must be 'warn', 'stop' or a callable, got {self.on_saturation!r}")
         check_bool("activations", self.activations)
         check_bool("strict", self.strict)
-        check_int("seed", self.seed, low=0)
+        check_int("seed", self.seed, low=0, high=SEED_MAX)
         if self.loss_tag is not None and (not isinstance(self.loss_tag, str) or not self.loss_tag):
             raise ValueError(f"loss_tag must be a non-empty scalar tag or None, got {self.loss_tag!r}")
         check_int("max_image_layers", self.max_image_layers)
         check_int("max_histogram_layers", self.max_histogram_layers)
-        check_int("history_budget", self.history_budget, low=4)
+        check_int("history_budget", self.history_budget, low=4, high=MAX_HISTORY_BUDGET)
         check_int("image_queue_size", self.image_queue_size)
         check_bool("kernel_stats", self.kernel_stats)
 

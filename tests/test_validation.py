@@ -24,8 +24,10 @@ BAD = [
     ({"activations": "no"}, TypeError, "activations must be True or False, got 'no'"),
     ({"activations": 0}, TypeError, "activations must be True or False"),
     ({"strict": "yes"}, TypeError, "strict must be True or False"),
-    ({"seed": -1}, ValueError, "seed must be an integer >= 0"),
-    ({"seed": 1.5}, ValueError, "seed must be an integer >= 0"),
+    ({"seed": -1}, ValueError, r"seed must be an integer in \[0, 18446744073709551615\]"),
+    ({"seed": 1.5}, ValueError, r"seed must be an integer in \[0, 18446744073709551615\]"),
+    ({"seed": 2**64}, ValueError, r"seed must be an integer in \[0, 18446744073709551615\]"),
+    ({"history_budget": 2**40}, ValueError, r"history_budget must be an integer in \[4, 1048576\]"),
 ]
 CALLBACK_BAD = [
     ({"detector": "off"}, TypeError, "detector must be a SaturationDetector, 'default' or None, got str 'off'"),

@@ -21,6 +21,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
+from hdi_monitor._validation import check_index
 from hdi_monitor.models import AttentionLayer, find_attention_layers
 from hdi_monitor.models.hooks import batch_mask, call_model, eval_mode, iter_batches
 from hdi_monitor.models.torch_mha import hold_fastpath_off
@@ -47,7 +48,12 @@ def resolve_layers(model: nn.Module, layers: Sequence[AttentionLayer] | None = N
 def check_heads(heads: Mapping[str, Iterable[int]], by_name: Mapping[str, AttentionLayer]) -> dict[str, list[int]]:
     """Validate ``{layer name: head indices}``; returns sorted, de-duplicated lists.
 
+    Head indices are an iterable of integers (a list, tuple, range, integer tensor or numpy
+    array); a string or bytes (``"01"`` would read as heads 0 and 1), a bare integer, floats and
+    bools are refused.
+
     Raises:
+        TypeError: heads that are not an iterable of integers, naming the layer.
         ValueError: an unknown layer name, or a head index outside ``0..num_heads - 1``.
     """
     if not isinstance(heads, Mapping):
@@ -57,8 +63,16 @@ def check_heads(heads: Mapping[str, Iterable[int]], by_name: Mapping[str, Attent
         if name not in by_name:
             known = ", ".join(list(by_name)[:8]) + (", ..." if len(by_name) > 8 else "")
             raise ValueError(f"no attention layer named {name!r}; the model has: {known or 'none'}")
+        try:
+            if isinstance(idx, (str, bytes, bytearray)):
+                raise TypeError
+            items = list(idx)  # also a 0-d tensor's "iteration over a 0-d tensor"
+        except TypeError:
+            raise TypeError(
+                f"{name}: head indices must be a sequence of integers (e.g. [0, 1]), got {type(idx).__name__} {idx!r}"
+            ) from None
         h = by_name[name].num_heads
-        values = sorted({int(i) for i in idx})
+        values = sorted({check_index(f"{name}: head index", i) for i in items})
         bad = [i for i in values if not 0 <= i < h]
         if bad:
             raise ValueError(f"{name}: head indices {bad} out of range (the layer has {h} heads, 0..{h - 1})")

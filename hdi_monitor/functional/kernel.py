@@ -22,8 +22,9 @@ position under a causal mask, say) are left out, not counted as NaN.
 
 Masks follow `torch.nn.functional.scaled_dot_product_attention`: broadcastable to
 ``(B, H, T, S)``; a boolean mask is True where attention is allowed; a float mask is added to the
-logits, and entries at ``-inf`` or at or below half the lowest value of its dtype (the
-``torch.finfo(dtype).min`` that transformers' eager masks use) count as not allowed. ``is_causal``
+logits, and entries at or below `MASKED_AT` (``-1e4``: ``-inf``, the ``torch.finfo(dtype).min`` of
+transformers' eager masks, ``masked_fill(mask == 0, -1e9)`` and the ``-1e4`` of older code alike) or NaN
+count as not allowed; finite entries above it (relative-position biases) are a bias. ``is_causal``
 allows key ``s`` for query ``t`` when ``s <= t`` (top-left aligned, as SDPA does). Grouped-query
 attention: query head ``h`` reads key head ``h // (H / H_k)`` unless a ``kv_head_map`` says
 otherwise (x-transformers uses ``h % H_k``).
@@ -49,6 +50,7 @@ from hdi_monitor.functional.covariance import subsample_mask
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "MASKED_AT",
     "KernelStatsResult",
     "KernelSums",
     "allowed_keys",
@@ -62,6 +64,12 @@ __all__ = [
 #: `kernel_sums` takes queries in chunks whose temporaries (each query's keys
 #: for every head, the logits and their mask) stay within about this many bytes (32 MiB).
 DEFAULT_CHUNK_BYTES: int = 32 << 20
+
+#: An additive float mask entry at or below this masks its key out (``-inf``, ``finfo.min``, ``-1e9``,
+#: ``-1e4``): the key's softmax weight is at most ``exp(-1e4)`` of the others', which is exactly 0 in
+#: float32 and float64 alike. The one threshold wherever a float mask is read (kernel statistics,
+#: ``nn.MultiheadAttention``'s key padding, a batch's token mask).
+MASKED_AT: float = -1e4
 
 _F64 = torch.float64
 
@@ -136,7 +144,7 @@ def allowed_keys(
     elif mask.dtype == torch.bool:
         allowed = mask
     else:
-        allowed = mask > torch.finfo(mask.dtype).min / 2  # also False for -inf and NaN
+        allowed = mask > MASKED_AT  # also False for -inf and NaN
     if is_causal:
         causal = torch.ones(t, s, dtype=torch.bool, device=device).tril()
         allowed = allowed.to(device) & causal

@@ -53,7 +53,8 @@ class MonitorSettings:
             ``"stop"`` (warn, and stop training on saturation or collapse) or a callable that
             receives each `DiversityEvent`.
         strict: raise internal errors instead of turning them into warnings (for tests).
-        seed: seed of the monitor's own ``torch.Generator`` (the token subsample). The global
+        seed: seed of the monitor's own ``torch.Generator`` (the token subsample), an integer in
+            ``[0, 2**64 - 1]`` (what ``torch.Generator.manual_seed`` takes). The global
             generators are never drawn from, so training is bit-identical with and without the
             monitor; the generator state is saved with the monitor's state for resume.
         loss_tag: the scalar tag of the training loss charted beside the HDI in the Custom
@@ -64,8 +65,12 @@ class MonitorSettings:
         max_histogram_layers: layers with a principal-angle histogram of their own; with more,
             adjacent layers are grouped into this many histograms.
         history_budget: measured steps kept in the history, the checkpoint and the diversity
-            map's columns (at least 4): the newest half in full, older ones downsampled (see
-            `hdi_monitor.monitor.history.History`); memory stays flat however long the run.
+            map's columns (from 4 to 1,048,576): the newest half in full, older ones downsampled
+            (see `hdi_monitor.monitor.history.History`); memory stays flat however long the run.
+            It is preallocated: 8 bytes per series per kept step (6 series per layer, 8 with
+            ``kernel_stats``, up to 5 more for a layer with invalid heads, and about 35 for the
+            model), plus 16 bytes per kept step: 0.2 MiB for 4 layers at the default 512, 8 MiB
+            per series at the maximum.
         image_queue_size: image steps waiting to be drawn on the background thread at most; an
             image step that finds the queue full has its pictures dropped (noted in a warning),
             so drawing never holds the training step.

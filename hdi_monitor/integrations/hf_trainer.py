@@ -57,10 +57,12 @@ random-generator state, and ``trainer.train(resume_from_checkpoint=...)`` restor
 resumed run measures, warns and subsamples exactly like an uninterrupted one. The restore happens
 in ``on_train_begin`` on the callback instance you passed (its settings are kept), whether or not
 ``TrainingArguments.restore_callback_states_from_checkpoint`` is set. With that flag set the
-Trainer rebuilds the callback from the JSON-ready part of its arguments: pass ``writer``,
-``spec``, a configured ``detector`` and a callable ``on_saturation`` again in that case, or leave
-the flag off. A new
-``trainer.train()`` without a checkpoint starts afresh.
+Trainer rebuilds the callback from the JSON-ready part of its arguments (a configured ``spec``,
+``detector`` or a callable ``on_saturation`` are then lost: leave the flag off to keep them). A
+checkpoint never decides where files go: it holds no path, and the rebuilt callback writes where
+the one you passed would (its ``writer`` or ``log_dir``); a ``log_dir`` written into
+``trainer_state.json``, or any saved attribute other than the monitor's state, is ignored with a
+`MonitoringWarning`. A new ``trainer.train()`` without a checkpoint starts afresh.
 
 **Checks.** Every argument is checked in ``__init__``; a model without a recognised attention
 layer, or a ``layers`` filter that matches none, raises in ``on_train_begin``, before the first
@@ -180,6 +182,27 @@ def _trainer_compiled_wrapper(model: nn.Module) -> nn.Module | None:
     return None
 
 
+def _replaced_by_restore() -> HDITrainerCallback | None:
+    """The callback that transformers' ``Trainer._load_callback_state`` is replacing, when it is
+    the caller building a new one from ``trainer_state.json`` (``type(callback)(**saved_args)``,
+    under ``restore_callback_states_from_checkpoint``); else None. Found on the caller's stack,
+    like `_trainer_tensorboard_writer`: the constructor is not told."""
+    from transformers import Trainer
+
+    frame: FrameType | None = sys._getframe(2)
+    found = None
+    for _ in range(6):  # __init__ <- (a subclass's __init__ ...) <- Trainer._load_callback_state
+        if frame is None:
+            break
+        if frame.f_code.co_name == "_load_callback_state" and isinstance(frame.f_locals.get("self"), Trainer):
+            candidate = frame.f_locals.get("callback")
+            found = candidate if isinstance(candidate, HDITrainerCallback) else None
+            break
+        frame = frame.f_back
+    del frame
+    return found
+
+
 def _json_ready(value: Any) -> bool:
     try:
         json.dumps(value, allow_nan=False)
@@ -203,7 +226,8 @@ class HDITrainerCallback(MonitorSettings, TrainerCallback, ExportableState):
         measure_at_start: also measure the initial weights at step 0 (weights only).
         writer: a ``SummaryWriter`` to write to; by default the Trainer's TensorBoard writer.
         log_dir: where to create a ``SummaryWriter`` when ``writer`` is None and the Trainer has
-            no TensorBoard callback (see the module doc).
+            no TensorBoard callback (see the module doc). Never saved in a checkpoint, and never
+            read from one.
 
     With ``on_saturation="stop"``, ``control.should_training_stop`` is set on saturation or
     collapse. The defaults are those of `MonitorConfig`; a finished one is passed with
@@ -232,18 +256,24 @@ class HDITrainerCallback(MonitorSettings, TrainerCallback, ExportableState):
             raise TypeError(f"writer must be a torch.utils.tensorboard.SummaryWriter, got {type(writer).__name__}")
         if writer is not None and log_dir is not None:
             raise ValueError("give writer or log_dir, not both")
-        # what the Trainer's callback restore rebuilds the callback from (the JSON-ready part)
+        # what the Trainer's callback restore rebuilds the callback from (the JSON-ready part); no
+        # path: a checkpoint never decides where files go
         self._args: dict[str, Any] = {
             **self.config.to_dict(),
             "detector": detector,  # kept when JSON-ready ("default", None), see state()
             "activation_detector": activation_detector,
             "measure_at_start": measure_at_start,
-            "log_dir": log_dir,
         }
         self.activations = self.config.activations
         self.measure_at_start = measure_at_start
-        self.writer = writer
-        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self._ignored: list[str] = []  # what a checkpoint tried to set and was not taken (said at train begin)
+        replaced = _replaced_by_restore()
+        if replaced is not None:  # rebuilt by the Trainer from trainer_state.json: write where the user's would
+            if log_dir is not None:
+                self._ignored.append(f"log_dir={os.fspath(log_dir)!r}")
+            writer, log_dir = replaced.writer, replaced.log_dir
+        self.writer: Any = writer
+        self.log_dir: str | None = None if log_dir is None else os.fspath(log_dir)
         self.tracker: HDITracker | None = None
         self._own_writer: Any = None
         self._root_handles: list[Any] = []
@@ -251,6 +281,14 @@ class HDITrainerCallback(MonitorSettings, TrainerCallback, ExportableState):
         self._compiled_root = False  # the model's forward runs compiled: no hook on it, side forwards
         self._measuring: int | None = None  # the step whose forward passes are being captured
         self._restored_state: dict[str, Any] | None = None  # from a checkpoint, applied in on_train_begin
+        # the Trainer's restore next sets each saved attribute: only the monitor's state is taken
+        self.__dict__["_from_checkpoint"] = replaced is not None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_from_checkpoint") and name != "_restored_state":
+            self._ignored.append(name)  # transformers' restore setting a saved attribute other than the state
+            return
+        super().__setattr__(name, value)
 
     # ------------------------------------------------------------------ checkpoint state
     def state(self) -> dict[str, Any]:
@@ -279,6 +317,15 @@ class HDITrainerCallback(MonitorSettings, TrainerCallback, ExportableState):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError("HDITrainerCallback: the Trainer passed no model to on_train_begin")
+        self.__dict__["_from_checkpoint"] = False  # the restore is over
+        if self._ignored:
+            warn(
+                f"hdi-monitor: the checkpoint's trainer_state.json sets HDITrainerCallback {self._ignored}; a "
+                "checkpoint restores the monitor's state only, never where files go or other attributes: ignored",
+                MonitoringWarning,
+                rank_zero_only=True,
+            )
+            self._ignored = []
         self.close()  # a second trainer.train() starts clean
         config = self.config
         if not any(unit.path == "" for unit in compiled_units(model)):

@@ -3,9 +3,9 @@ into kernel accumulators, and how often each layer ran.
 
 Family knowledge stays in the adapters: each `AttentionLayer` knows how to deliver its
 concatenated head outputs ``o`` and a keep-mask (`AttentionLayer.attach_output_hook`); this module
-only routes them, adding the batch's padding mask when the batch is a dict holding the layer's
-``mask_key`` with a matching shape (a mask that does not fit is not applied, and said once per
-layer).
+only routes them, adding each call's token mask (`hdi_monitor.models.hooks.CallMasks`: the mask
+the call received, else the batch's ``batch[mask_key]``) where its shape matches the hooked
+tokens (a mask that does not fit is not applied, and said once per layer).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hdi_monitor.exceptions import MonitoringWarning
 from hdi_monitor.measure.covariance import HeadCovarianceAccumulator
 from hdi_monitor.measure.kernel import KernelStatsCapture
 from hdi_monitor.models import AttentionLayer
-from hdi_monitor.models.hooks import batch_mask
+from hdi_monitor.models.hooks import CallMasks
 
 __all__ = [
     "CallCounts",
@@ -31,15 +31,7 @@ __all__ = [
     "attach_output_hooks",
     "mask_mismatch_message",
     "output_accumulator",
-    "query_mask",
 ]
-
-
-def query_mask(batch: Any, layers: Sequence[AttentionLayer]) -> Tensor | None:
-    """The batch's token mask (the first layer's ``mask_key``) as a bool query mask for the kernel
-    statistics (True = real token), or None."""
-    mask = batch_mask(batch, layers[0].mask_key) if layers else None
-    return None if mask is None else mask.to(torch.bool)
 
 
 #: Layers already warned about a mask that does not fit their tokens (once per layer object).
@@ -93,7 +85,7 @@ def _with_mask(mask: Tensor | None, layer: AttentionLayer, o: Tensor, keep: Tens
 
 def _on_output(
     acc: HeadCovarianceAccumulator,
-    mask: Tensor | None,
+    masks: CallMasks | None,
     layer: AttentionLayer,
     counts: CallCounts | None,
     o: Tensor,
@@ -101,18 +93,19 @@ def _on_output(
 ) -> None:
     if counts is not None:
         counts.output_calls[layer.name] = counts.output_calls.get(layer.name, 0) + 1
+    mask = None if masks is None else masks.mask(layer)
     acc.update(o.detach(), _with_mask(mask, layer, o, keep))
 
 
 def _select_tokens(
-    acc: HeadCovarianceAccumulator, mask: Tensor | None, layer: AttentionLayer, o: Tensor
+    acc: HeadCovarianceAccumulator, masks: CallMasks, layer: AttentionLayer, o: Tensor
 ) -> tuple[Tensor, Tensor | None]:
     """Under tensor parallelism, before the gather: the rows of this rank's share that ``acc`` would
     use (the batch mask, then its token budget drawn from its generator: the same draw on every TP
     rank, which all see the same tokens), as at most ``max_tokens`` rows and their keep flags, so
     that the gather moves at most ``max_tokens`` tokens of every head. The chosen rows come first;
     rows that pad a short selection are flagged False. No host sync (the row count is fixed)."""
-    keep = _with_mask(mask, layer, o, None)
+    keep = _with_mask(masks.mask(layer), layer, o, None)
     flat = o.reshape(-1, o.shape[-1])
     n = flat.shape[0]
     chosen, cap = acc.select_tokens(None if keep is None else keep.reshape(-1), n)
@@ -132,27 +125,33 @@ def attach_output_hooks(
     batch: Any = None,
     on_error: Callable[[Exception], None] | None = None,
     counts: CallCounts | None = None,
+    masks: CallMasks | None = None,
 ) -> list[Any]:
     """Feed every layer's head outputs into its accumulator; returns handles to ``.remove()``.
 
-    A batch mask (``batch[layer.mask_key]``) whose shape is not the shape of the layer's hooked
-    tokens is not applied, and a `MonitoringWarning` says so once per layer, naming both shapes.
-    With ``on_error``, an exception inside a hook goes to ``on_error(err)`` instead of the forward
-    pass. With ``counts``, the calls of each layer's module and of its head-output hook are counted
-    there (a counting forward pre-hook on the attention module, removed with the others).
+    Each call's tokens are masked with that call's token mask (`CallMasks`: the mask the call
+    received, else ``batch[layer.mask_key]``). A mask whose shape is not the shape of the layer's
+    hooked tokens is not applied, and a `MonitoringWarning` says so once per layer, naming both
+    shapes. With ``on_error``, an exception inside a hook goes to ``on_error(err)`` instead of the
+    forward pass. With ``counts``, the calls of each layer's module and of its head-output hook are
+    counted there (a counting forward pre-hook on the attention module, removed with the others).
+    ``masks``: a `CallMasks` whose hooks the caller attaches (`attach_capture` shares one with the
+    kernel statistics); None: one for ``layers`` and ``batch``, attached here.
     """
     handles: list[Any] = []
     try:
+        if masks is None:
+            masks = CallMasks([la for la, acc in zip(layers, accumulators, strict=True) if acc is not None], batch)
+            handles += masks.hooks(on_error)
         for layer, acc in zip(layers, accumulators, strict=True):
             if acc is not None:
-                mask = batch_mask(batch, layer.mask_key)
                 if getattr(layer, "tensor_parallel", None) is not None:
-                    # the batch mask and the subsample are applied to this rank's share, before the gather
-                    select = partial(_select_tokens, acc, mask, layer)
+                    # the call's mask and the subsample are applied to this rank's share, before the gather
+                    select = partial(_select_tokens, acc, masks, layer)
                     fn = partial(_on_output, acc, None, layer, counts)
                     handles.append(layer.attach_output_hook(fn, on_error=on_error, select=select))
                 else:
-                    fn = partial(_on_output, acc, mask, layer, counts)
+                    fn = partial(_on_output, acc, masks, layer, counts)
                     handles.append(layer.attach_output_hook(fn, on_error=on_error))
                 if counts is not None:
                     counts.module_calls.setdefault(layer.name, 0)
@@ -187,18 +186,20 @@ def attach_capture(
     counts: CallCounts | None = None,
 ) -> list[Any]:
     """Everything one measured forward pass captures: the head-output hooks of `attach_output_hooks`
-    and, with ``kernel``, that kernel-statistics capture entered with the batch's query mask (see
-    `query_mask`). Returns handles to ``.remove()``; on an error, those already attached are removed."""
-    handles = attach_output_hooks(layers, accumulators, batch, on_error=on_error, counts=counts)
-    if kernel is not None:
-        try:
-            mask = query_mask(batch, layers)
-            kernel.set_query_mask(mask)
+    and, with ``kernel``, that kernel-statistics capture entered with each layer's query mask: the
+    same `CallMasks` as the head outputs (each call's own mask, each sub-model's own key). Returns
+    handles to ``.remove()``; on an error, those already attached are removed."""
+    masks = CallMasks(layers, batch)
+    handles = masks.hooks(on_error)
+    try:
+        handles += attach_output_hooks(layers, accumulators, batch, on_error=on_error, counts=counts, masks=masks)
+        if kernel is not None:
+            kernel.set_query_mask(masks.query_mask)
             handles.append(_Entered(kernel))
-        except BaseException:
-            for handle in handles:
-                handle.remove()
-            raise
+    except BaseException:
+        for handle in handles:
+            handle.remove()
+        raise
     return handles
 
 

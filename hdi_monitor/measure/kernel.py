@@ -10,7 +10,7 @@ query counts add, the largest logit is a running maximum) and routes captured ca
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -182,9 +182,10 @@ class KernelStatsCapture:
         max_tokens: at most this many queries per kernel call (None: all).
         generator: private generator for the query subsample (None: a CPU generator seeded with 0;
             never the global one).
-        query_mask: optional ``(B, T)`` bool mask of real query tokens (the batch's padding mask);
-            applied to calls whose queries are ``(B, ·, T, ·)``. Change it between batches with
-            `set_query_mask`.
+        query_mask: optional ``(B, T)`` bool mask of real query tokens (the batch's padding mask),
+            or a callable ``layer name -> mask or None`` asked at each call (each layer's own mask,
+            each call's own: `hdi_monitor.models.hooks.CallMasks.query_mask`); applied to calls whose
+            queries are ``(B, ·, T, ·)``. Change it between batches with `set_query_mask`.
         on_error: as for `KernelCapture`.
 
     Example:
@@ -202,7 +203,7 @@ class KernelStatsCapture:
         *,
         max_tokens: int | None = None,
         generator: torch.Generator | None = None,
-        query_mask: Tensor | None = None,
+        query_mask: Tensor | Callable[[str], Tensor | None] | None = None,
         on_error: ErrorHandler | None = None,
     ) -> None:
         self.max_tokens = None if max_tokens is None else check_int("max_tokens", max_tokens)
@@ -212,10 +213,14 @@ class KernelStatsCapture:
         self.set_query_mask(query_mask)
         self._capture = KernelCapture(layers, self._on_call, on_error=on_error)
 
-    def set_query_mask(self, query_mask: Tensor | None) -> None:
-        """Use ``query_mask`` (``(B, T)`` bool, True = real token) for the following calls."""
-        if query_mask is not None and (not isinstance(query_mask, Tensor) or query_mask.dtype != torch.bool):
-            raise TypeError("query_mask must be a bool tensor (True = real token) or None")
+    def set_query_mask(self, query_mask: Tensor | Callable[[str], Tensor | None] | None) -> None:
+        """Use ``query_mask`` for the following calls: a ``(B, T)`` bool tensor (True = real token) for
+        every layer, a callable ``layer name -> (B, T) bool tensor or None`` asked at each call, or None."""
+        if isinstance(query_mask, Tensor):
+            if query_mask.dtype != torch.bool:
+                raise TypeError("query_mask must be a bool tensor (True = real token), a callable or None")
+        elif query_mask is not None and not callable(query_mask):
+            raise TypeError("query_mask must be a bool tensor (True = real token), a callable or None")
         self.query_mask = query_mask
 
     def _on_call(self, call: KernelCall) -> None:
@@ -225,7 +230,7 @@ class KernelStatsCapture:
             acc = self.accumulators[call.layer] = KernelStatsAccumulator(
                 h, max_tokens=self.max_tokens, generator=self.generator
             )
-        keep = self.query_mask
+        keep = self.query_mask(call.layer) if callable(self.query_mask) else self.query_mask
         if keep is not None and tuple(keep.shape) != (b, t):
             keep = None
         if call.query_keep is not None:

@@ -221,6 +221,10 @@ class AttentionLayer:
             `hdi_monitor.models.logits.LogitForm`), for the weight-only logit bound; a form with a
             ``refusal`` where it is not declared or cannot be read (the default for adapters that
             do not give one).
+        ancestors: the modules above this one in the model it was discovered in, outermost (that
+            model) first; empty for a layer built outside discovery. A measured call takes its
+            token mask from the outermost running one whose ``forward`` takes ``mask_key`` as an
+            argument (see `hdi_monitor.models.hooks.CallMasks`).
 
     Family adapters build layers from `WeightSource` callables (one per projection) and the
     module whose input is the concatenated head output; subclasses may override
@@ -281,6 +285,7 @@ class AttentionLayer:
         self.logit_form = logit_form or LogitForm.refused(
             f"family {family!r} declares no logit form (position scheme, scale, QK-norm)"
         )
+        self.ancestors: tuple[nn.Module, ...] = ()
 
     def __repr__(self) -> str:
         kv = f"/{self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""

@@ -180,6 +180,7 @@ def _walk(
     candidates: list[tuple[str, str, nn.Module]] = []
     inside: str | None = None
     configs = _sub_model_configs(model, root_config)
+    modules = dict(model.named_modules())
     for raw_name, module in model.named_modules():
         if inside is not None and _inside(raw_name, inside):
             continue
@@ -223,11 +224,14 @@ def _walk(
             )
             continue
         try:
-            found.append(build(name, module))
+            layer = build(name, module)
         except AdapterMismatch as exc:
             if hit is not None:
                 raise ValueError(str(exc)) from None
             skipped.append(SkippedModule(name, type(module).__name__, f"{family} layout does not fit: {exc}"))
+            continue
+        layer.ancestors = _ancestors(raw_name, modules)
+        found.append(layer)
     for raw_name, name, module in candidates:
         if any(_inside(raw_name, c) or _inside(c, raw_name) for c in claimed):
             continue  # inside a measured module, or a wrapper of one
@@ -243,6 +247,13 @@ def _walk(
     order = {unwrapped_name(n): i for i, (n, _) in enumerate(model.named_modules())}
     skipped.sort(key=lambda s: order.get(s.name, 0))
     return found, skipped, spec_hits
+
+
+def _ancestors(raw_name: str, modules: Mapping[str, nn.Module]) -> tuple[nn.Module, ...]:
+    """The modules above ``raw_name`` (the root first), from ``dict(model.named_modules())``."""
+    parts = raw_name.split(".") if raw_name else []
+    paths = [".".join(parts[:i]) for i in range(len(parts))]
+    return tuple(modules[p] for p in paths if p in modules)
 
 
 def _config_of(module: nn.Module) -> object | None:

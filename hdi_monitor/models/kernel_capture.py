@@ -55,7 +55,7 @@ from torch import Tensor, nn
 
 from hdi_monitor._validation import check_instance
 from hdi_monitor.functional._numerics import no_autocast
-from hdi_monitor.functional.kernel import default_kv_head_map
+from hdi_monitor.functional.kernel import MASKED_AT, default_kv_head_map
 from hdi_monitor.models.base import AttentionLayer, ErrorHandler
 from hdi_monitor.models.torch_mha import _MHA_ARGS, _keep_from_padding, mha_heads, unnest_self_attention
 
@@ -443,8 +443,8 @@ class KernelCapture:
                 mask = bias
             elif mask.dtype == torch.bool:
                 mask = torch.where(mask, bias, -math.inf)
-            else:
-                mask = bias + mask
+            else:  # a masked key stays masked whatever the bias adds (a -1e4 mask plus a positive bias)
+                mask = torch.where(mask > MASKED_AT, bias + mask, -math.inf)
         kv_map = (
             None if key.shape[1] == query.shape[1] else default_kv_head_map(query.shape[1], key.shape[1], query.device)
         )

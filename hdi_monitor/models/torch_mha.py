@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from hdi_monitor.functional.kernel import MASKED_AT
 from hdi_monitor.models._parametrize import preserved_parametrizations
 from hdi_monitor.models.base import (
     Adapter,
@@ -141,11 +142,6 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
     return mask.to(dtype)
-
-
-#: A float key padding mask entry at or below this is padding (``-inf``, ``finfo.min``, ``-1e9``: the
-#: key's attention weight underflows to exactly 0 in float32 and float64 alike).
-MASKED_AT = -1e4
 
 
 def _keep_from_padding(key_padding_mask: Tensor) -> Tensor:

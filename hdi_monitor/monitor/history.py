@@ -3,18 +3,26 @@
 One column per typed series key (`hdi_monitor.monitor.tags.Series`), one row per kept measured
 step, in a preallocated ``(columns, budget)`` float64 tensor: memory, the checkpoint
 (`History.state_dict`) and the diversity map's columns are bounded by ``budget`` whatever the run
-length.
+length (8 bytes per series per row, plus 16 bytes per row for the steps and the measurement
+numbers; see `MonitorConfig.history_budget`).
 
-Downsampling rule: when an append finds the store full (``budget`` rows), the older half of the
-rows is halved (every other row is kept, starting with the first, so step 0 stays); the newer
-half is kept whole. So the most recent ``budget // 2`` measured steps are always there in full,
-and older ones are thinned more the older they are (a row of age ``a`` survives at a spacing of
-about ``a / (budget / 2)`` measurements). Kept rows are real measurements (not averages): a point
-of the map or of `History.column` is the value measured at that step.
+Which rows are kept, after ``n`` measurements (measurement ``i = 0, 1, ...``, of age ``n - 1 - i``):
 
-Rows read as ``{"step": s, tag: value, ...}`` mappings (``history[-1]["hdi/key/mean"]``), made on
-demand from the columns, for readers that want tags; absent values (a layer not measured at that
-step) are left out of the row.
+* the newest ``budget // 2`` measurements, every one;
+* the older ones on an even grid: measurement ``i`` is kept when ``i`` is a multiple of ``s``, the
+  smallest power of two that fits the ``n - budget // 2`` older measurements into `older_rows`
+  rows (``budget // 2 - max(1, budget // 16)``: the rest is room for the appends between two
+  compactions), and the younger part of them at ``s / 2``, as far back as the same rows allow. So
+  the first measurement is always kept, the spacing never shrinks with age (1 in the newest window,
+  then ``s / 2``, then ``s``), and no gap is wider than ``s``, which is less than twice the even
+  spacing ``(n - budget // 2) / older_rows(budget)``: 64 measurements after 10,000 with a budget
+  of 512 (even spacing 43.5), 512 after 100,000 (445).
+
+A row, once dropped, is never needed again (the grids are nested and only coarsen), so a
+compaction (when an append finds the store full) drops rows and never averages: a point of the map
+or of `History.column` is the value measured at that step. Rows read as ``{"step": s, tag: value,
+...}`` mappings (``history[-1]["hdi/key/mean"]``), made on demand from the columns, for readers that
+want tags; absent values (a layer not measured at that step) are left out of the row.
 """
 
 from __future__ import annotations
@@ -26,32 +34,55 @@ from typing import Any, overload
 import torch
 from torch import Tensor
 
+from hdi_monitor.config import DEFAULT_HISTORY_BUDGET, MAX_HISTORY_BUDGET
 from hdi_monitor.measure.measurement import Series
 from hdi_monitor.models.base import PROJECTIONS
 
-__all__ = ["History", "DEFAULT_HISTORY_BUDGET"]
+__all__ = ["History", "older_rows"]
 
-#: Measured steps kept by default (the newest half in full, older ones downsampled).
-DEFAULT_HISTORY_BUDGET = 512
-_STATE_VERSION = 2
+_STATE_VERSION = 3
 _PER_LAYER = ("effective_heads", "head_correlation")
 
 
+def older_rows(budget: int) -> int:
+    """Rows the measurements older than the newest ``budget // 2`` fill after a compaction."""
+    return budget - budget // 2 - max(1, budget // 16)
+
+
+def _kept(ordinals: Tensor, count: int, budget: int) -> Tensor:
+    """Which of the rows numbered ``ordinals`` the rule of the module docstring keeps after ``count``
+    measurements (a bool mask)."""
+    older = count - budget // 2  # measurements 0 .. older - 1 are past the newest window
+    cap = older_rows(budget)
+    if older <= cap:
+        return torch.ones_like(ordinals, dtype=torch.bool)
+    s = 2
+    while -(-older // s) > cap:
+        s *= 2
+    half = s // 2
+    # measurements [0, start) on the grid of s, [start, older) on the grid of s / 2: ceil(older / half)
+    # - start / s rows (start a multiple of s), the fewest start that fits them in cap
+    start = min(older, s * max(0, -(-older // half) - cap))
+    return (ordinals >= older) | (ordinals % s == 0) | ((ordinals >= start) & (ordinals % half == 0))
+
+
 class History(Sequence[Mapping[str, float]]):
-    """Bounded columnar history (see the module docstring for the downsampling rule).
+    """Bounded columnar history (see the module docstring for which rows are kept).
 
     Args:
-        budget: the most measured steps kept (an integer >= 4).
+        budget: the most measured steps kept (an integer in ``[4, MAX_HISTORY_BUDGET]``).
     """
 
     def __init__(self, budget: int = DEFAULT_HISTORY_BUDGET) -> None:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 4:
-            raise ValueError(f"history budget must be an integer >= 4, got {budget!r}")
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 4 <= budget <= MAX_HISTORY_BUDGET:
+            raise ValueError(f"history budget must be an integer in [4, {MAX_HISTORY_BUDGET}], got {budget!r}")
         self.budget = budget
         self._steps = torch.zeros(budget, dtype=torch.int64)
+        self._ordinals = torch.zeros(budget, dtype=torch.int64)  # which measurement each row is
         self._values = torch.empty(0, budget, dtype=torch.float64)
         self._index: dict[Series, int] = {}
         self._n = 0
+        self._count = 0  # measurements appended so far (kept or not)
 
     # ------------------------------------------------------------------ writing
     def append(self, step: int, values: Mapping[Series, float]) -> None:
@@ -70,7 +101,9 @@ class History(Sequence[Mapping[str, float]]):
             rows = torch.tensor([self._index[k] for k in values], dtype=torch.int64)
             column[rows] = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
         self._steps[self._n] = int(step)
+        self._ordinals[self._n] = self._count
         self._n += 1
+        self._count += 1
 
     def drop(self, predicate: Callable[[Series], bool]) -> int:
         """Remove every series for which ``predicate(key)`` is true (a projection no longer
@@ -86,13 +119,13 @@ class History(Sequence[Mapping[str, float]]):
         return dropped
 
     def _compact(self) -> None:
-        """Halve the resolution of the older half of the rows (keep every other one, the first
-        included); the newer half stays whole."""
+        """Drop the rows the rule of the module docstring no longer keeps (at least
+        ``max(1, budget // 16)`` of a full store): kept rows stay in order, never averaged."""
         n = self._n
-        half = n // 2
-        keep = torch.cat([torch.arange(0, half, 2), torch.arange(half, n)])
+        keep = torch.nonzero(_kept(self._ordinals[:n], self._count, self.budget)).flatten()
         m = keep.numel()
         self._steps[:m] = self._steps[keep].clone()
+        self._ordinals[:m] = self._ordinals[keep].clone()
         self._values[:, :m] = self._values[:, keep].clone()
         self._values[:, m:] = float("nan")
         self._n = m
@@ -125,7 +158,7 @@ class History(Sequence[Mapping[str, float]]):
     @property
     def nbytes(self) -> int:
         """Bytes held by the store's tensors (fixed once every series has appeared)."""
-        return self._values.numel() * self._values.element_size() + self._steps.numel() * 8
+        return self._values.numel() * self._values.element_size() + (self._steps.numel() + self._ordinals.numel()) * 8
 
     def __len__(self) -> int:
         return self._n
@@ -160,18 +193,20 @@ class History(Sequence[Mapping[str, float]]):
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"History({self._n} of {self.budget} rows, {len(self._index)} series)"
+        return f"History({self._n} of {self.budget} rows, {len(self._index)} series, {self._count} measurements)"
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Plain Python state (JSON-ready; loadable with ``torch.load(..., weights_only=True)``):
-        the kept steps, and each series' key with its values as base64 float64 bytes. Its size is
-        bounded by the budget."""
+        the kept steps, which measurement each one is, how many were made, and each series' key
+        with its values as base64 float64 bytes. Its size is bounded by the budget."""
         values = self._values[:, : self._n].contiguous()
         return {
             "version": _STATE_VERSION,
             "budget": self.budget,
             "steps": self.steps,
+            "ordinals": self._ordinals[: self._n].tolist(),
+            "count": self._count,
             "columns": [
                 [k.family, k.projection, k.layer, k.stat, base64.b64encode(values[i].numpy().tobytes()).decode("ascii")]
                 for k, i in self._index.items()
@@ -186,15 +221,17 @@ class History(Sequence[Mapping[str, float]]):
         return history
 
     def load_state_dict(self, state: Any) -> None:
-        """Restore from `state_dict`, or convert the history of hdi-monitor 0.2 (a list of tag
-        dicts); a history longer than this store's budget is downsampled to fit.
+        """Restore from `state_dict`, or convert an older state: version 2 (before the measurement
+        numbers were saved) or the history of hdi-monitor 0.2 (a list of tag dicts), whose rows are
+        taken as consecutive measurements. A history longer than this store's budget is
+        downsampled to fit, by the rule of the module docstring.
 
         Raises:
-            ValueError: a state that is neither.
+            ValueError: a state that is none of these, or a malformed one.
         """
         if isinstance(state, list):
             self._load_rows(state)
-        elif isinstance(state, Mapping) and state.get("version") == _STATE_VERSION:
+        elif isinstance(state, Mapping) and state.get("version") in (2, _STATE_VERSION):
             steps = [int(s) for s in state["steps"]]
             n = len(steps)
             columns: dict[Series, Tensor] = {}
@@ -203,7 +240,15 @@ class History(Sequence[Mapping[str, float]]):
                 if data.numel() != n:
                     raise ValueError(f"malformed history state: a column of {data.numel()} values for {n} steps")
                 columns[Series(family, projection, layer, stat)] = data
-            self._fill(steps, columns)
+            if state["version"] == 2:
+                self._fill(steps, columns)
+                return
+            ordinals, count = state.get("ordinals"), state.get("count")
+            if not isinstance(ordinals, list) or not all(isinstance(i, int) for i in ordinals):
+                raise ValueError("malformed history state: 'ordinals' must be a list of integers")
+            if not isinstance(count, int) or isinstance(count, bool):
+                raise ValueError(f"malformed history state: 'count' must be an integer, got {count!r}")
+            self._fill(steps, columns, ordinals, count)
         else:
             version = state.get("version") if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(
@@ -228,18 +273,35 @@ class History(Sequence[Mapping[str, float]]):
         }
         self._fill(steps, columns)
 
-    def _fill(self, steps: list[int], columns: Mapping[Series, Tensor]) -> None:
+    def _fill(
+        self,
+        steps: list[int],
+        columns: Mapping[Series, Tensor],
+        ordinals: list[int] | None = None,
+        count: int | None = None,
+    ) -> None:
+        n = len(steps)
+        if ordinals is None:  # an older state: its rows as consecutive measurements
+            ordinals, count = list(range(n)), n
+        assert count is not None
+        if len(ordinals) != n or any(b <= a for a, b in zip(ordinals, ordinals[1:], strict=False)):
+            raise ValueError(
+                f"malformed history state: {len(ordinals)} increasing measurement numbers expected for {n} steps"
+            )
+        if n and not 0 <= ordinals[0] <= ordinals[-1] < count:
+            raise ValueError(f"malformed history state: measurement numbers outside [0, {count})")
+        data = torch.stack(list(columns.values())) if columns else torch.empty(0, n, dtype=torch.float64)
+        rows = torch.tensor(ordinals, dtype=torch.int64)
+        if n > self.budget:  # a longer history (another budget): the rule at this store's budget
+            keep = _kept(rows, count, self.budget)
+            rows, data, steps = rows[keep], data[:, keep], [s for s, k in zip(steps, keep.tolist(), strict=True) if k]
+            n = len(steps)
         self._index = {key: i for i, key in enumerate(columns)}
         self._values = torch.full((len(columns), self.budget), float("nan"), dtype=torch.float64)
-        data = torch.stack(list(columns.values())) if columns else torch.empty(0, len(steps), dtype=torch.float64)
-        self._n = 0
-        # downsample with the same rule as the run itself would have (a no-op within the budget)
-        for j, step in enumerate(steps):
-            if self._n >= self.budget:
-                self._compact()
-            self._values[:, self._n] = data[:, j]
-            self._steps[self._n] = step
-            self._n += 1
+        self._values[:, :n] = data
+        self._steps[:n] = torch.tensor(steps, dtype=torch.int64)
+        self._ordinals[:n] = rows
+        self._n, self._count = n, count
 
 
 def _legacy_series(tag: str) -> Series:

@@ -104,8 +104,8 @@ def _fault_due(where: str) -> bool:
 
 def _install_faults() -> None:
     """Wrap the monitor's weight measurement and head-output hook so they raise when due."""
-    import hdi_monitor.models.hooks as capture
-    import hdi_monitor.monitor.tracker as tracker
+    import hdi_monitor.measure.capture as capture
+    import hdi_monitor.measure.step as tracker  # where the measured step reads weights and computes results
 
     real_report, real_output = tracker.compute_report, capture._on_output
     real_compute = tracker.compute_results
