@@ -106,6 +106,10 @@ class MonitorConfig:
             attention entropy (with its uniform level ``ln(n_keys)``) and the maximum attention
             logit, from the queries and keys the attention kernel receives (at most ``max_tokens``
             queries per kernel call); layers whose kernel cannot be reached are named.
+        update_entropy: also compute each head's update entropy (opt-in): the spectral entropy of
+            the first-order change of its query-key bilinear form between two consecutive measured
+            steps, from the weights; keeps a CPU copy of every watched layer's query and key weights
+            from one measured step to the next (their size in the weights' dtype).
 
     What needs the model (an attention layer found, a ``layers`` filter that matches) is checked
     when the tracker is set up, before the first step.
@@ -128,6 +132,7 @@ class MonitorConfig:
     history_budget: int = DEFAULT_HISTORY_BUDGET
     image_queue_size: int = 2
     kernel_stats: bool = False
+    update_entropy: bool = False
 
     def __post_init__(self) -> None:
         check_int("every_n_steps", self.every_n_steps)
@@ -157,6 +162,7 @@ class MonitorConfig:
         check_int("history_budget", self.history_budget, low=4, high=MAX_HISTORY_BUDGET)
         check_int("image_queue_size", self.image_queue_size)
         check_bool("kernel_stats", self.kernel_stats)
+        check_bool("update_entropy", self.update_entropy)
 
     @property
     def image_every_n_steps(self) -> int:

@@ -42,6 +42,7 @@ __all__ = [
     "LayerDiversity",
     "Progress",
     "Projection",
+    "WeightTap",
     "compute_angles",
     "compute_report",
     "weight_groups",
@@ -51,6 +52,8 @@ __all__ = [
 Projection = Literal["query", "key", "value", "output"]
 #: A progress hook: called with the number of work units just done (``tqdm.update`` fits).
 Progress = Callable[[int], Any]
+#: Receives each weight group of `compute_report` as it is read: ``(projection, layer indices, (L, H, D_in, d))``.
+WeightTap = Callable[[str, list[int], Tensor], Any]
 
 #: The key of ``LayerDiversity.invalid_heads`` for the heads dead in the head outputs (activations).
 ACTIVATIONS = "activations"
@@ -96,6 +99,12 @@ class LayerDiversity:
     computed: query or key not measured, or the layer's logit form is not declared or cannot be read
     (the reason is then in ``notes``).
 
+    Update entropy (DESIGN.md rule 10; opt-in, ``MonitorConfig(update_entropy=True)``, filled by the
+    measured step): ``update_entropy`` is a CPU float64 ``(H,)`` tensor, per query head, the spectral
+    entropy in nats of the first-order change of the head's bilinear form since the previous
+    measured step (`hdi_monitor.functional.bilinear.update_entropy`); NaN where the form did not
+    change; None on the first measured step and where it was not computed.
+
     More per-layer results are added as optional fields with a default (None or empty), so that
     every reader of a report (tags, dashboards, detector, CLI) keeps working when one is added.
     """
@@ -126,6 +135,7 @@ class LayerDiversity:
     nonfinite_heads: tuple[int, ...] = ()
     logit_bound: Tensor | None = None
     logit_bound_rule: str | None = None
+    update_entropy: Tensor | None = None
 
     # ------------------------------------------------------------------ kernel statistics (opt-in)
     @property
@@ -191,6 +201,8 @@ class LayerDiversity:
         if self.logit_bound is not None:
             out["logit_bound"] = [_finite_or_none(x) for x in self.logit_bound.double().tolist()]
             out["logit_bound_rule"] = self.logit_bound_rule
+        if self.update_entropy is not None:
+            out["update_entropy"] = [_finite_or_none(x) for x in self.update_entropy.double().tolist()]
         return out
 
 
@@ -382,6 +394,7 @@ def compute_report(
     progress: Progress | None = None,
     angles: bool | list[AngleWork] = False,
     logit_bounds: bool = True,
+    tap: WeightTap | None = None,
 ) -> DiversityReport:
     """Weight-based diversity of already-found attention layers.
 
@@ -409,6 +422,10 @@ def compute_report(
             another thread, with `compute_angles` (the record is not changed: the angles are their
             own result); sharded (gathered) and accelerator weights, and groups past that size, are
             done at once, into ``LayerDiversity.angles``.
+        tap: called with every weight group as it is read, ``tap(projection, layer indices,
+            weights)`` (``(L, H, D_in, d)``; a gathered layer's weights are freed after it returns),
+            for statistics that need the weights themselves from this one read (the update
+            entropy of the measured step).
         logit_bounds: also compute each layer's logit bound (`LayerDiversity.logit_bound`, DESIGN.md
             rule 9) from the same weight read, when ``"query"`` and ``"key"`` are both measured:
             each query and key group is reduced at once to ``d x d`` factors of its heads
@@ -462,6 +479,8 @@ def compute_report(
                         fields[i]["angles"][proj] = row
             if bounds is not None:
                 bounds.add(proj, idx, stacked)
+            if tap is not None:
+                tap(proj, idx, stacked)
             del stacked  # a gathered layer is freed before the next one
             if progress is not None:
                 progress(len(idx))

@@ -78,6 +78,10 @@ class MonitorSettings:
             attention entropy (with its uniform level ``ln(n_keys)``) and the maximum attention
             logit, from the queries and keys the attention kernel receives (at most ``max_tokens``
             queries per kernel call); layers whose kernel cannot be reached are named.
+        update_entropy: also compute each head's update entropy (opt-in): the spectral entropy of
+            the first-order change of its query-key bilinear form between two consecutive measured
+            steps, from the weights; keeps a CPU copy of every watched layer's query and key weights
+            from one measured step to the next (their size in the weights' dtype).
         detector: the early-warning detector of the HDI series (saturation, collapse, redundant
             pairs): a configured `SaturationDetector`, ``"default"`` (``SaturationDetector()``:
             ``patience=10``, ``min_delta=0.002``, ``warmup_steps=1000``, ``collapse_delta=0.05``,
@@ -118,6 +122,7 @@ class MonitorSettings:
         history_budget: int = DEFAULTS.history_budget,
         image_queue_size: int = DEFAULTS.image_queue_size,
         kernel_stats: bool = DEFAULTS.kernel_stats,
+        update_entropy: bool = DEFAULTS.update_entropy,
         detector: DetectorArg = "default",
         activation_detector: DetectorArg = "default",
         state_key: str | None = None,
@@ -149,6 +154,7 @@ class MonitorSettings:
             history_budget=history_budget,
             image_queue_size=image_queue_size,
             kernel_stats=kernel_stats,
+            update_entropy=update_entropy,
         )
         self.detector = check_detector("detector", detector)
         self.activation_detector = check_detector("activation_detector", activation_detector)

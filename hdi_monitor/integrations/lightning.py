@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -27,7 +28,7 @@ from torch import nn
 
 from hdi_monitor.integrations._settings import MonitorSettings
 from hdi_monitor.integrations.loggers import sinks_for_loggers
-from hdi_monitor.measure.measurement import Measurement
+from hdi_monitor.measure.measurement import Measurement, Series
 from hdi_monitor.models.sharding import contains_fsdp1
 from hdi_monitor.monitor.history import History
 from hdi_monitor.monitor.tracker import HDITracker
@@ -35,13 +36,14 @@ from hdi_monitor.monitor.tracker import HDITracker
 __all__ = ["HDIMonitor", "published_metrics"]
 
 
-def published_metrics(measurement: Measurement) -> dict[str, float]:
-    """The scalars of a measurement that `HDIMonitor` also puts in ``trainer.callback_metrics``,
-    under their logged names, chosen by typed key (no tag is parsed): the model-mean HDI per
-    projection (``hdi/<projection>/mean``), the mean effective heads (``effective_heads/mean``) and
-    the event counts (``diversity_events/<kind>``). Non-finite values are left out."""
+def published_metrics(series: Mapping[Series, float]) -> dict[str, float]:
+    """The scalars of a measurement (`Measurement.series`) that `HDIMonitor` also puts in
+    ``trainer.callback_metrics``, under their logged names, chosen by typed key (no tag is
+    parsed): the model-mean HDI per projection (``hdi/<projection>/mean``), the mean effective heads
+    (``effective_heads/mean``) and the event counts (``diversity_events/<kind>``). Non-finite
+    values are left out."""
     out: dict[str, float] = {}
-    for key, value in measurement.series.items():
+    for key, value in series.items():
         wanted = (
             (key.family == "hdi" and key.layer is None and key.stat == "mean")
             or (key.family == "effective_heads" and key.layer is None and key.stat == "mean")
@@ -173,6 +175,9 @@ class HDIMonitor(MonitorSettings, Callback):
         if self.tracker.fsdp_root is None and isinstance(root, nn.Module) and contains_fsdp1(root):
             self.tracker.fsdp_root = root
         self.tracker.setup()  # discover again: parameters are configured and wrapped by the strategy
+        if len(self.tracker.history):
+            # a resumed run: the restored last measurement is what stock callbacks see until the next one
+            self._publish(trainer, self._last_row(self.tracker.history))
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -202,13 +207,23 @@ class HDIMonitor(MonitorSettings, Callback):
             return  # not a measured step (the same on every rank)
         if self.tracker.finish() is not None and (measurement := self.tracker.last_measurement) is not None:
             # what stock callbacks (EarlyStopping, ModelCheckpoint) read, under the logged names
-            for tag, value in published_metrics(measurement).items():
-                trainer.callback_metrics[tag] = torch.tensor(value, dtype=torch.float64)
+            self._publish(trainer, measurement.series)
         if self.config.on_saturation == "stop":
             # collective: every rank measures the same steps, so every rank reaches this call
             stop = trainer.strategy.reduce_boolean_decision(self.tracker.stop_requested, all=False)
             if stop:
                 trainer.should_stop = True
+
+    @staticmethod
+    def _last_row(history: History) -> dict[Series, float]:
+        keys = history.keys()
+        return {key: float(history.column(key)[-1]) for key in keys}
+
+    @staticmethod
+    def _publish(trainer: pl.Trainer, series: Mapping[Series, float]) -> None:
+        """What stock callbacks (EarlyStopping, ModelCheckpoint) read, under the logged names."""
+        for tag, value in published_metrics(series).items():
+            trainer.callback_metrics[tag] = torch.tensor(value, dtype=torch.float64)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.tracker is not None:

@@ -34,7 +34,7 @@ from hdi_monitor.measure.kernel import KernelStatsAccumulator, KernelStatsCaptur
 from hdi_monitor.measure.measurement import Measurement
 from hdi_monitor.measure.watch import ModelWatch
 from hdi_monitor.models.hooks import call_model, eval_mode, iter_batches
-from hdi_monitor.models.tensor_parallel import check_same_layers, data_parallel_group
+from hdi_monitor.models.tensor_parallel import check_same_layers
 from hdi_monitor.report import ACTIVATIONS, AngleWork, DiversityReport, LayerDiversity, Progress, compute_report
 
 __all__ = ["MeasuredStep", "StepFailed"]
@@ -132,6 +132,7 @@ class MeasuredStep:
         with no_autocast():
             layers, notes = watch.revalidate()
             work: list[AngleWork] = []
+            updates = watch.updates
             report = compute_report(
                 layers,
                 projections=watch.config.projections,
@@ -140,7 +141,14 @@ class MeasuredStep:
                 skipped=watch.skipped,
                 progress=progress,
                 angles=work if (image if angles is None else angles) else False,
+                tap=updates.tap(layers) if updates is not None else None,
             )
+            if updates is not None:
+                entropy = updates.finish()
+                report = dataclasses.replace(
+                    report,
+                    layers=[dataclasses.replace(la, update_entropy=entropy.get(la.name)) for la in report.layers],
+                )
         return cls(watch, step, report, image=image, angle_work=work, on_error=on_error, notes=notes)
 
     def _start_kernel(self) -> None:
@@ -290,7 +298,7 @@ class MeasuredStep:
         device-to-host transfer; ``(tokens, result)`` per layer (None where not measured)."""
         layers = self.watch.layers
         accs = [acc for acc in self.accumulators if acc is not None]
-        reduce, group = data_parallel_group(layers) if self.watch.collectives else (False, None)
+        reduce, group = self.watch.data_parallel
         if reduce:
             check_same_layers(layers, group)
             sync_accumulators(accs, group)  # collective: every rank, every layer, in order
@@ -340,7 +348,7 @@ class MeasuredStep:
         transfer for every layer; layers not measured get None and a note (once per layer)."""
         layers, accs, capture = self.watch.layers, self.kernel_accumulators, self.kernel
         assert capture is not None
-        reduce, group = data_parallel_group(layers) if self.watch.collectives else (False, None)
+        reduce, group = self.watch.data_parallel
         if reduce:
             sync_accumulators(accs, group)  # collective: every rank, every layer, in order
         if not self.forward_expected:

@@ -16,14 +16,17 @@ import re
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hdi_monitor.config import MonitorConfig
 from hdi_monitor.measure import ranks
 from hdi_monitor.measure.compiled import CompiledUnit, compiled_units
+from hdi_monitor.measure.update_entropy import UpdateEntropy
 from hdi_monitor.models import AttentionLayer, SkippedModule, discover_attention, find_attention_layers
 from hdi_monitor.models.discovery import skipped_message
 from hdi_monitor.models.sharding import is_fsdp1_module
+from hdi_monitor.models.tensor_parallel import data_parallel_group
 
 __all__ = ["ModelWatch"]
 
@@ -112,8 +115,10 @@ class ModelWatch:
         self.units: list[CompiledUnit] = []  # compiled parts of the model (never hooked)
         self.calls: dict[str, int] = {}  # head-output calls per layer at the last measured forward
         self.said: set[tuple[str, str]] = set()  # (what, layer) already said once per layer
+        self.updates = UpdateEntropy() if config.update_entropy else None  # the previous step's W_Q, W_K
         self.skipped: list[SkippedModule] = []  # attention-like modules found but not measured, with the reason
         self._layers: list[AttentionLayer] | None = None
+        self._data_parallel: tuple[bool, Any] | None = None
         self._signatures: list[tuple[Any, ...]] = []
 
     @property
@@ -161,7 +166,19 @@ class ModelWatch:
         notes += self._set_layers(found)
         if self.collectives:
             ranks.check_ranks_agree(self._fingerprint(found))  # one small collective: all ranks watch the same
+        _ = self.data_parallel  # a mesh whose data-parallel ranks cannot be known raises here, before training
         return notes
+
+    @property
+    def data_parallel(self) -> tuple[bool, Any]:
+        """``(reduce, group)``: whether and over which ranks the step's statistics are summed (see
+        `hdi_monitor.models.tensor_parallel.data_parallel_group`; found once per set of layers, at
+        setup when the process group exists then); ``(False, None)`` when this rank measures alone."""
+        if not (self.collectives and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return False, None
+        if self._data_parallel is None:
+            self._data_parallel = data_parallel_group(self.layers)
+        return self._data_parallel
 
     def _fingerprint(self, layers: list[AttentionLayer]) -> dict[str, str]:
         c = self.config
@@ -178,7 +195,7 @@ class ModelWatch:
 
     def _set_layers(self, layers: list[AttentionLayer]) -> list[str]:
         paths = {id(m): n for n, m in self.model.named_modules()}
-        self._layers = layers
+        self._layers, self._data_parallel = layers, None
         self._signatures = [_signature(la.module, paths.get(id(la.module))) for la in layers]
         self.units = compiled_units(self.model)
         stuck = [u for u in self.units if not u.interceptable]

@@ -37,16 +37,20 @@ from hdi_monitor.monitor.kernel_detector import KernelDetector
 from hdi_monitor.monitor.render import Renderer, render_job
 from hdi_monitor.monitor.sinks import Sink, TensorBoardSink
 from hdi_monitor.monitor.tags import scalar_tags
-from hdi_monitor.monitor.worker import ImageWorker, SinkLocks
+from hdi_monitor.monitor.worker import ImageWorker, Stuck
 from hdi_monitor.report import ACTIVATIONS, AngleWork, DiversityReport, compute_angles
 
-__all__ = ["MAX_EVENTS", "DetectorArg", "KernelDetectorArg", "Publisher", "Renderer", "feed_report"]
+__all__ = ["MAX_EVENTS", "WAIT_SECONDS", "DetectorArg", "KernelDetectorArg", "Publisher", "Renderer", "feed_report"]
 
 #: A kernel-detector argument: a configured `KernelDetector`, None (off), or ``"default"``.
 KernelDetectorArg = KernelDetector | Literal["default"] | None
 
 #: Early-warning events kept (`Publisher.events`, the tracker's state): the most recent ones.
 MAX_EVENTS = 1000
+#: The longest the training thread waits for the picture worker (`Publisher.wait_timeout`'s default),
+#: in `Publisher.flush`, at the end of a run and before a checkpoint: a renderer or an image sink
+#: that does not return within it costs the pictures it holds (named), never the run.
+WAIT_SECONDS = 60.0
 
 
 def feed_report(
@@ -218,7 +222,8 @@ class Publisher:
         self.stop_requested = False
         self.imaged_step: int | None = None  # last step whose pictures were queued
         self._invalid_seen: set[tuple[str, str]] = set()
-        self._locks = SinkLocks()
+        self.wait_timeout = WAIT_SECONDS
+        """Seconds the training thread waits for the picture worker at most (see `WAIT_SECONDS`)."""
         self._failed_sinks: set[int] = set()  # id() of sinks that failed once (warned once)
         self._delivered: set[int] = set()  # id() of sinks that have the layout and the levels text
         self._worker = ImageWorker(lambda job: self.renderer(job), self._write_pictures, config.image_queue_size)
@@ -227,6 +232,11 @@ class Publisher:
     def dropped(self) -> int:
         """Image steps whose pictures were dropped because the queue was full."""
         return self._worker.dropped
+
+    @property
+    def pending_pictures(self) -> list[int]:
+        """The steps whose pictures are queued or being drawn."""
+        return self._worker.pending
 
     # ------------------------------------------------------------------ the record
     def publish(self, m: Measurement, *, activations: bool, notes: Sequence[str] = ()) -> Measurement:
@@ -326,13 +336,12 @@ class Publisher:
         if not images and not histograms:
             return failures
         for sink in sinks:
-            try:
-                with self._locks(sink):
-                    if images:
-                        sink.log_images(dict(images), job.step)
-                    if histograms:
-                        sink.log_histograms(dict(histograms), job.step)
-                    sink.flush()
+            try:  # no lock shared with the training thread: a slow upload never holds a step
+                if images:
+                    sink.log_images(dict(images), job.step)
+                if histograms:
+                    sink.log_histograms(dict(histograms), job.step)
+                sink.flush()
             except Exception as err:  # noqa: BLE001 - one sink's failure must not cost the others
                 failures.append((f"sink:{id(sink)}:{type(sink).__name__}:{job.step}", err))
         return failures
@@ -359,28 +368,46 @@ class Publisher:
 
     # ------------------------------------------------------------------ on the calling thread
     def flush(self) -> None:
-        """Wait for the queued pictures, report what failed (one warning), flush every sink.
+        """Wait for the queued pictures (at most `wait_timeout` seconds), report what failed or was
+        lost (one warning), flush every sink.
 
         Raises:
             Exception: with ``strict``, the first failure.
         """
-        self._worker.wait()
-        notes = self.worker_notes()
+        notes = self._drain()
+        notes += self.worker_notes()
         if notes:
             warn("hdi-monitor: " + "; ".join(notes), MonitoringWarning, rank_zero_only=True)
         for sink in self.sinks:
-            with self._locks(sink):
-                sink.flush()
+            sink.flush()
+
+    def _drain(self) -> list[str]:
+        """Wait for the queued pictures, at most `wait_timeout` seconds; what was lost, as notes."""
+        try:
+            self._worker.wait(self.wait_timeout)
+        except Stuck as lost:
+            if self.config.strict:
+                raise
+            return [str(lost)]
+        return []
 
     def finish_run(self, *, activations: bool) -> None:
         """End of a run: queue the pictures of the last measured step (never dropped) if it was not
         an image step (no angle histograms: they need that step's weights), then wait for the
         worker and stop it."""
         last = self.last
+        notes: list[str] = []
         if last is not None and self.imaged_step != last.step and self.config.image_every_n_steps and self.sinks:
-            self._worker.wait()  # room in the queue: the last pictures are never dropped
-            self._queue_pictures(last, activations=activations, angles=False)
-        self._worker.close()
+            notes += self._drain()  # room in the queue: the last pictures are not dropped
+            notes += self._queue_pictures(last, activations=activations, angles=False)
+        try:
+            self._worker.close(self.wait_timeout)
+        except Stuck as lost:
+            if self.config.strict:
+                raise
+            notes.append(str(lost))
+        if notes:
+            warn("hdi-monitor: " + "; ".join(notes), MonitoringWarning, rank_zero_only=True)
 
     def _write(self, m: Measurement, *, activations: bool) -> None:
         """Scalars, layout, levels and events to every sink, each guarded alone and under its lock:
@@ -401,16 +428,15 @@ class Publisher:
         scalars = m.scalars
         for sink in sinks:
             try:
-                with self._locks(sink):
-                    if layout is not None and id(sink) not in self._delivered:
-                        sink.log_layout(layout)
-                        if levels is not None:
-                            sink.log_text("hdi_levels", levels, m.step)
-                        self._delivered.add(id(sink))
-                    sink.log_scalars(dict(scalars), m.step)
-                    for event in m.events:
-                        sink.log_text(f"diversity_events/{event.kind}", event.message, m.step)
-                    sink.flush()
+                if layout is not None and id(sink) not in self._delivered:
+                    sink.log_layout(layout)
+                    if levels is not None:
+                        sink.log_text("hdi_levels", levels, m.step)
+                    self._delivered.add(id(sink))
+                sink.log_scalars(dict(scalars), m.step)
+                for event in m.events:
+                    sink.log_text(f"diversity_events/{event.kind}", event.message, m.step)
+                sink.flush()
             except Exception as err:  # noqa: BLE001 - one sink's failure must not cost the others
                 first_error = first_error or err
                 if id(sink) not in self._failed_sinks and not self.config.strict:
@@ -427,7 +453,11 @@ class Publisher:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """History, kept events, detector states and the dashboard's kept invalid-head charts
-        (plain Python types)."""
+        (plain Python types). The pictures still queued are written first (a bounded wait), so a
+        run killed after its checkpoint has them; what could not be written is named in a warning."""
+        lost = self._drain()
+        if lost:
+            warn("hdi-monitor: before the checkpoint: " + "; ".join(lost), MonitoringWarning, rank_zero_only=True)
         return {
             "history": self.history.state_dict(),
             "events": [e.to_dict() for e in self.events],

@@ -17,7 +17,9 @@ Tag names:
   ``attention_entropy/<layer>`` (mean over heads, nats), ``attention_entropy/mean`` (over layers),
   ``attention_entropy_uniform/mean`` (the uniform-attention reference ``ln(n_keys)``, mean over
   layers), ``max_attention_logit/<layer>`` (max over heads) and ``max_attention_logit/max`` (over
-  layers).
+  layers);
+* weight-only signals (`weight_signal_series`): ``logit_bound/<layer>`` and ``logit_bound/max``;
+  with ``update_entropy=True``, ``update_entropy/<layer>`` and its mean, min and max.
 
 A layer whose qualified name is ``mean``, ``min`` or ``max`` (a top-level module so named) would
 collide with the summaries: its tags use ``<name>_layer`` instead (`layer_tag`).
@@ -28,12 +30,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import torch
+from torch import Tensor
+
 from hdi_monitor.events import DIVERSITY_EVENT_KINDS, KERNEL_EVENT_KINDS, DiversityEvent
 from hdi_monitor.measure.measurement import Series
 from hdi_monitor.monitor.dashboard import Dashboard
 from hdi_monitor.report import ACTIVATIONS, DiversityReport
 
-__all__ = ["kernel_series", "record_series", "scalar_tags"]
+__all__ = ["kernel_series", "record_series", "scalar_tags", "weight_signal_series"]
 
 
 _KERNEL_FAMILIES = frozenset({"attention_entropy", "attention_entropy_uniform", "max_attention_logit"})
@@ -84,7 +89,36 @@ def record_series(report: DiversityReport, *, projections: Sequence[str], activa
         if corr:
             out[Series("head_correlation", stat="mean")] = _mean(corr)
     out.update(kernel_series(report))
+    out.update(weight_signal_series(report))
     return out
+
+
+def weight_signal_series(report: DiversityReport) -> dict[Series, float]:
+    """The weight-only signals of one report: per layer the largest logit bound over heads
+    (``logit_bound/<layer>``) and the mean update entropy over heads (``update_entropy/<layer>``,
+    where computed); over layers the largest bound (``logit_bound/max``: over the layers bounded
+    per unit-norm input, or over the QK-norm layers when every layer is one, since the two kinds of
+    bound do not compare) and the mean update entropy (``update_entropy/mean``)."""
+    out: dict[Series, float] = {}
+    bounds: dict[bool, list[float]] = {True: [], False: []}  # QK-norm layer or not -> per-layer bounds
+    entropy = []
+    for layer in report.layers:
+        if (b := layer.logit_bound_max) is not None:
+            out[Series("logit_bound", layer=layer.name)] = b
+            bounds[layer.logit_bound_rule == "qk_norm"].append(b)
+        if layer.update_entropy is not None and (u := _nanmean(layer.update_entropy)) is not None:
+            out[Series("update_entropy", layer=layer.name)] = u
+            entropy.append(u)
+    if bounds[False] or bounds[True]:
+        out[Series("logit_bound", stat="max")] = max(bounds[False] or bounds[True])
+    if entropy:
+        out[Series("update_entropy", stat="mean")] = _mean(entropy)
+    return out
+
+
+def _nanmean(values: Tensor) -> float | None:
+    finite = values[torch.isfinite(values)]
+    return float(finite.double().mean()) if finite.numel() else None
 
 
 def kernel_series(report: DiversityReport) -> dict[Series, float]:
@@ -111,8 +145,8 @@ def kernel_series(report: DiversityReport) -> dict[Series, float]:
     return out
 
 
-#: Head-output families summarised over layers (min and max beside the mean).
-_SUMMARISED = ("effective_heads", "head_correlation")
+#: Families summarised over layers (min and max beside the mean).
+_SUMMARISED = ("effective_heads", "head_correlation", "update_entropy")
 
 
 def scalar_tags(
@@ -143,14 +177,18 @@ def scalar_tags(
     kernel = any(key.family in _KERNEL_FAMILIES for key in series)
     groups = [("hdi", p) for p in projections] + [(family, None) for family in _SUMMARISED]
     for family, projection in groups:
-        values = [v for k, v in series.items() if k.family == family and k.projection == projection and k.layer]
+        values = [
+            v for k, v in series.items() if k.family == family and k.projection == projection and k.layer is not None
+        ]
         if values:
             series[Series(family, projection, stat="min")] = min(values)
             series[Series(family, projection, stat="max")] = max(values)
     for p in [*projections, ACTIVATIONS]:
         if series.get(Series("hdi_max", p), 0.0) >= 1.0:
             del series[Series("hdi_max", p)]
-        per_layer = {k: v for k, v in series.items() if k.family == "invalid_heads" and k.projection == p and k.layer}
+        per_layer = {
+            k: v for k, v in series.items() if k.family == "invalid_heads" and k.projection == p and k.layer is not None
+        }
         if per_layer:
             series[Series("invalid_heads", p)] = float(sum(per_layer.values()))
         for key, count in per_layer.items():

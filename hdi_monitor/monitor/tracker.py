@@ -308,8 +308,9 @@ class HDITracker:
     def measure(self, inputs: Any = None, *, step: int | None = None) -> Measurement | None:
         """Measure now, whatever the schedule; with ``inputs`` (a batch or an iterable of batches)
         run them through the model (eagerly, in eval mode, under no_grad) for the head-output and
-        kernel statistics."""
-        step = self._step if step is None else step
+        kernel statistics. ``step`` defaults to the step counter, or the step after the last measured
+        one when that is later (the series' steps keep increasing)."""
+        step = max(self._step, self._last_step + 1) if step is None else step
         self._start(step)
         current = self._current
         if current is None:

@@ -2,46 +2,41 @@
 
 The training step only builds an `hdi_monitor.monitor.render.ImageJob` (copies of a few small
 tensors) and hands it over with `ImageWorker.submit`; PNG encoding and the sinks' image and
-histogram writes happen on the worker's thread. The queue is bounded: when it is full, `submit`
-drops the job and returns False at once (the caller notes it), so the training step never waits.
+histogram writes happen on the worker's thread. Nothing the training thread does waits for it:
 
-Writes to a sink are serialised with the sink's lock (`SinkLocks`): the worker's image writes and
-the training thread's scalar writes never interleave inside one sink.
+* the queue is bounded: when it is full, `submit` drops the job and returns False at once (the
+  caller notes it);
+* the worker takes no lock that the training thread takes (a sink is written by two threads: the
+  scalars on the training thread, the pictures here; the built-in sinks are thread-safe), so a
+  slow image upload never holds a training step;
+* every wait is bounded (`wait` and `close` take a timeout): a renderer or a sink that never
+  returns costs the pictures it holds, named in a note, never the run. A worker that did not
+  finish in time is abandoned (a daemon thread: it ends with the process) and a new one takes the
+  next job.
 
 Failures (a renderer or a sink that raises) never reach the training step: they are kept as
-notes, which the tracker takes with `ImageWorker.take_notes` and reports (or raises, when strict)
-from the training thread.
+notes, which the publisher takes with `ImageWorker.take_notes` and reports (or raises, when
+strict) from the training thread.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from hdi_monitor.monitor.render import ImageJob, Renderer
 
-__all__ = ["ImageWorker", "SinkLocks"]
-
-
-class SinkLocks:
-    """One lock per sink (by identity), shared by the training thread and the worker."""
-
-    def __init__(self) -> None:
-        self._locks: dict[int, threading.Lock] = {}
-        self._guard = threading.Lock()
-
-    def __call__(self, sink: Any) -> threading.Lock:
-        with self._guard:
-            lock = self._locks.get(id(sink))
-            if lock is None:
-                lock = self._locks[id(sink)] = threading.Lock()
-            return lock
-
+__all__ = ["ImageWorker", "Stuck"]
 
 #: Writes a job's images to the sinks (runs on the worker); returns notes about failures.
 Writer = Callable[[ImageJob, dict[str, bytes], Sequence[Any]], list[tuple[str, Exception]]]
+
+
+class Stuck(TimeoutError):
+    """The worker did not finish its jobs within the wait's bound: their pictures are not written."""
 
 
 class ImageWorker:
@@ -57,38 +52,83 @@ class ImageWorker:
     def __init__(self, renderer: Renderer, write: Writer, queue_size: int) -> None:
         self.renderer = renderer
         self._write = write
+        self._size = queue_size
         self._queue: queue.Queue[tuple[ImageJob, Sequence[Any]] | None] = queue.Queue(maxsize=queue_size)
         self._thread: threading.Thread | None = None
         self._notes: list[tuple[str, Exception]] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the notes and the pending steps: held for a few bytecodes only
+        self._pending: list[int] = []  # steps submitted and not finished, oldest first
         self.dropped = 0  #: jobs dropped because the queue was full
         self.done = 0  #: jobs finished (written or failed)
+
+    @property
+    def pending(self) -> list[int]:
+        """The steps whose pictures are queued or being drawn."""
+        with self._lock:
+            return list(self._pending)
 
     def submit(self, job: ImageJob, sinks: Sequence[Any]) -> bool:
         """Queue a job; False (nothing queued, nothing waited for) when the queue is full."""
         if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="hdi-monitor-images", daemon=True)
-            self._thread.start()
+            self._start()
         try:
             self._queue.put_nowait((job, list(sinks)))
         except queue.Full:
             self.dropped += 1
             return False
+        with self._lock:
+            self._pending.append(job.step)
         return True
 
-    def wait(self) -> None:
-        """Block until every queued job is written (or failed)."""
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.join()
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, args=(self._queue,), name="hdi-monitor-images", daemon=True)
+        self._thread.start()
 
-    def close(self) -> None:
-        """Wait for the queued jobs, then stop the thread (a later `submit` starts a new one)."""
+    def wait(self, timeout: float) -> None:
+        """Block until every queued job is written (or failed), at most ``timeout`` seconds.
+
+        Raises:
+            Stuck: the jobs did not finish in time. The worker is abandoned with them (their
+                pictures are lost, named in the message) and the next `submit` starts a new one.
+        """
+        q = self._queue
+        deadline = time.monotonic() + max(0.0, timeout)
+        with q.all_tasks_done:
+            while q.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                q.all_tasks_done.wait(left)
+            finished = not q.unfinished_tasks
+        if finished:
+            return
+        lost = self.pending
+        self._abandon()
+        raise Stuck(
+            f"the pictures of step(s) {lost} were not written: the renderer or an image sink did not return "
+            f"within {timeout:g} s (that worker is abandoned; later pictures get a new one)"
+        )
+
+    def _abandon(self) -> None:
+        """Leave the stuck thread with its queue and start afresh (nothing waits for it any more)."""
+        self._queue = queue.Queue(maxsize=self._size)
+        self._thread = None
+        with self._lock:
+            self._pending = []
+
+    def close(self, timeout: float) -> None:
+        """Wait for the queued jobs (at most ``timeout`` seconds, see `wait`), then stop the thread
+        (a later `submit` starts a new one).
+
+        Raises:
+            Stuck: as `wait`.
+        """
         thread = self._thread
         if thread is None or not thread.is_alive():
             return
-        self._queue.join()
-        self._queue.put(None)
-        thread.join()
+        self.wait(timeout)
+        self._queue.put_nowait(None)  # the queue is empty now: there is room
+        thread.join(timeout)
         self._thread = None
 
     def take_notes(self) -> list[tuple[str, Exception]]:
@@ -97,9 +137,10 @@ class ImageWorker:
             notes, self._notes = self._notes, []
         return notes
 
-    def _run(self) -> None:
+    def _run(self, jobs: queue.Queue[tuple[ImageJob, Sequence[Any]] | None]) -> None:
+        # the queue is this thread's own: an abandoned worker never takes a later job
         while True:
-            item = self._queue.get()
+            item = jobs.get()
             try:
                 if item is None:
                     return
@@ -111,8 +152,12 @@ class ImageWorker:
                     notes.append((f"drawing the images of step {job.step}", err))
                     images = {}
                 notes += self._write(job, images, sinks)
+                if jobs is not self._queue:
+                    return  # abandoned meanwhile: its jobs were named as lost; say nothing more
                 with self._lock:
                     self._notes += notes
                     self.done += 1
+                    if job.step in self._pending:
+                        self._pending.remove(job.step)
             finally:
-                self._queue.task_done()
+                jobs.task_done()

@@ -1,0 +1,212 @@
+"""The publisher and its picture worker: every wait bounded, no lock shared with the training
+thread, the pictures queued at a checkpoint written before it (issue 30, items 6 and 8)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from hdi_monitor import HDITracker
+from hdi_monitor.exceptions import MonitoringWarning
+from hdi_monitor.monitor.render import ImageJob, render_job
+from hdi_monitor.monitor.sinks import MemorySink
+
+D, HEADS = 16, 4
+
+
+def encoder() -> nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(D, HEADS, 2 * D, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+
+def _step(tracker: HDITracker, model: nn.Module) -> float:
+    """One training step with the monitor; the seconds it took."""
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(tracker.current_step))
+    start = time.perf_counter()
+    with tracker.capture(x):
+        loss = model(x).pow(2).mean()
+    loss.backward()
+    tracker.step()
+    return time.perf_counter() - start
+
+
+def _monitoring(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, MonitoringWarning)]
+
+
+def test_a_renderer_that_never_returns_costs_its_pictures_not_the_run():
+    """close() returns within the publisher's bound and names the steps whose pictures are lost; the
+    steps themselves never waited."""
+    release = threading.Event()
+
+    def stuck(job: ImageJob) -> dict[str, bytes]:
+        release.wait()  # never set before the end of the test
+        return {}
+
+    model = encoder()
+    sink = MemorySink()
+    tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=1, sinks=[sink], renderer=stuck)
+    tracker.publisher.wait_timeout = 0.5
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            held = [_step(tracker, model) for _ in range(3)]
+            start = time.perf_counter()
+            tracker.close()
+            closing = time.perf_counter() - start
+        assert max(held[1:]) < 5.0  # (the first step also finds the layers)
+        assert closing < 3.0  # 0.5 s to wait for the queue, 0.5 s to join: not forever
+        lost = [m for m in _monitoring(caught) if "were not written" in m]
+        assert len(lost) == 1 and "step(s) [0" in lost[0] and "did not return within 0.5 s" in lost[0]
+        assert len(tracker.history) == 3 and sink.images == []
+        # the run goes on: a later image step gets a new worker and is drawn (by a renderer that returns)
+        tracker.renderer, tracker.publisher.wait_timeout = render_job, 60.0
+        _step(tracker, model)
+        tracker.close()
+        assert [s for s, _, _ in sink.images] and {s for s, _, _ in sink.images} == {3}
+    finally:
+        release.set()
+
+
+def test_a_slow_image_sink_never_holds_the_training_step():
+    """The worker's image writes share no lock with the training thread's scalar writes: an 8 s image
+    upload does not make the next steps wait (the first of them waited for it when they shared the
+    sink's lock)."""
+
+    class SlowImages(MemorySink):
+        def log_images(self, images, step):  # noqa: ANN001
+            time.sleep(8.0)
+            super().log_images(images, step)
+
+    model = encoder()
+    sink = SlowImages()
+    tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=4, sinks=[sink], strict=True)
+    _step(tracker, model)  # step 0: an image step, its upload takes 8 s on the worker
+    time.sleep(0.2)  # the worker is inside log_images now
+    held = [_step(tracker, model) for _ in range(3)]  # steps 1-3 write scalars to the same sink
+    assert max(held) < 5.0, held
+    tracker.close()
+    assert {s for s, _, _ in sink.images} >= {0} and sorted({s for s, _, _ in sink.scalars}) == [0, 1, 2, 3]
+
+
+def test_lightning_fit_with_a_stuck_renderer_returns(monkeypatch, tmp_path):
+    """``trainer.fit`` ends although the renderer never returns (it waited forever in on_train_end)."""
+    pytest.importorskip("lightning")
+    import lightning as L
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    import hdi_monitor.monitor.publish as publish
+    from hdi_monitor import HDIMonitor
+    from hdi_monitor.contrib.demo import CharDataModule, CharLM
+
+    release = threading.Event()
+
+    def stuck(job: ImageJob) -> dict[str, bytes]:
+        release.wait()
+        return {}
+
+    monkeypatch.setattr(publish, "render_job", stuck)  # the default renderer the callback's tracker gets
+    monkeypatch.setattr(publish, "WAIT_SECONDS", 0.5)
+    model = CharLM(d_model=32, num_heads=4, num_layers=1)
+    trainer = L.Trainer(
+        max_steps=4,
+        callbacks=[HDIMonitor(every_n_steps=1, log_images_every_n_steps=2)],
+        logger=TensorBoardLogger(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        enable_model_summary=False,
+    )
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, datamodule=CharDataModule())
+        assert time.perf_counter() - start < 120
+        assert any("were not written" in m for m in _monitoring(caught))
+    finally:
+        release.set()
+
+
+def test_the_pictures_queued_at_a_checkpoint_are_written_before_it():
+    """A checkpoint taken while image steps wait in the queue (a slow renderer) waits for them, so a
+    run killed right after it has their pictures (steps 0 and 2 were never drawn when the checkpoint
+    recorded nothing pending and the killed process took the queue with it)."""
+    gate = threading.Event()
+
+    def slow(job: ImageJob) -> dict[str, bytes]:
+        gate.wait(timeout=1.0)  # slow: the jobs are still queued when the checkpoint is taken
+        return render_job(job)
+
+    model = encoder()
+    sink = MemorySink()
+    tracker = HDITracker(
+        model, every_n_steps=1, log_images_every_n_steps=2, sinks=[sink], renderer=slow, image_queue_size=4
+    )
+    for _ in range(3):  # image steps 0 and 2 queued
+        _step(tracker, model)
+    assert tracker.publisher.pending_pictures == [0, 2]  # still queued
+    state = tracker.state_dict()  # what a checkpoint saves; the process is killed right after
+    assert {s for s, _, _ in sink.images} == {0, 2}
+    assert state["last_step"] == 2
+
+
+def test_a_non_finite_head_output_is_named_and_left_out():
+    """Issue 30 item 4: a NaN in one head's output gave effective_heads NaN with no invalid head and no
+    note. The head is now invalid (non-finite), named once, and H_eff is over the other heads
+    (equal to the brute force on the finite heads)."""
+
+    class Nan(nn.Module):
+        def forward(self, o):  # noqa: ANN001
+            o = o.clone()
+            o[..., 2 * (D // HEADS)] = float("nan")  # one channel of head 2
+            return o
+
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(D, HEADS, batch_first=True, bias=False)
+    from hdi_monitor.models import AttentionSpec
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(D, D, bias=False) for _ in range(3))
+            self.corrupt = Nan()
+            self.o = nn.Linear(D, D, bias=False)
+
+        def forward(self, x):  # noqa: ANN001
+            b, t, _ = x.shape
+            q, k, v = (m(x).view(b, t, HEADS, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, D)
+            return self.o(self.corrupt(o))
+
+    del attn
+    net = Net()
+    spec = AttentionSpec(modules=r"^$", query="q", key="k", value="v", output="o", num_heads=HEADS)
+    x = torch.randn(3, 7, D, generator=torch.Generator().manual_seed(1))
+    tracker = HDITracker(net, every_n_steps=1, spec=spec, max_tokens=None, strict=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = tracker.measure(x)
+    layer = m.report.layers[0]
+    assert layer.invalid_heads["activations"] == [2] and layer.nonfinite_heads == (2,)
+    notes = [n for n in _monitoring(caught) if "non-finite outputs" in n]
+    assert len(notes) == 1 and "head(s) [2] gave non-finite outputs" in notes[0]
+    # brute force over the three finite heads: contributions c_h = W_O,h o_h, covariance over tokens
+    with torch.no_grad():
+        b, t, _ = x.shape
+        q, k, v = (mod(x).view(b, t, HEADS, -1).transpose(1, 2) for mod in (net.q, net.k, net.v))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b * t, HEADS, -1)
+        w = net.o.weight.double().view(D, HEADS, -1)
+        live = [0, 1, 3]
+        c = torch.stack([o[:, h].double() @ w[:, h].T for h in live])  # (3, N, D)
+        c = c - c.mean(dim=1, keepdim=True)
+        cov = torch.einsum("inD,jnD->ij", c, c) / c.shape[1]
+        expected = len(live) / float(cov.sum() / cov.diagonal().sum())
+    assert layer.effective_heads == pytest.approx(expected, rel=1e-9)
+    assert m.scalars["invalid_heads/activations"] == 1.0
