@@ -353,7 +353,11 @@ def _read(layer: AttentionLayer, projection: Projection) -> Tensor:
 
 
 def weight_groups(
-    layers: Sequence[AttentionLayer], projections: Sequence[Projection], *, fsdp_root: nn.Module | None = None
+    layers: Sequence[AttentionLayer],
+    projections: Sequence[Projection],
+    *,
+    fsdp_root: nn.Module | None = None,
+    sharded: Sequence[bool] | None = None,
 ) -> Iterator[tuple[Projection, list[int], Tensor]]:
     """The head weights of ``layers``, batched: yields ``(projection, layer indices, weights)``
     with ``weights`` of shape ``(L, H, D_in, d)`` for the ``L`` layers listed.
@@ -368,7 +372,8 @@ def weight_groups(
     The other layers are then stacked per projection by ``(H, D_in, d, dtype, device)``: one
     group per shape, so that the math runs once per group on the weights' own device.
     """
-    sharded = [gathers_weights(lay, fsdp_root) for lay in layers]
+    if sharded is None:
+        sharded = [gathers_weights(lay, fsdp_root) for lay in layers]
     for i, lay in enumerate(layers):
         if sharded[i]:
             with full_weights(lay, fsdp_root):  # one layer's full weights at a time
@@ -395,6 +400,7 @@ def compute_report(
     angles: bool | list[AngleWork] = False,
     logit_bounds: bool = True,
     tap: WeightTap | None = None,
+    sharded: Sequence[bool] | None = None,
 ) -> DiversityReport:
     """Weight-based diversity of already-found attention layers.
 
@@ -422,6 +428,8 @@ def compute_report(
             another thread, with `compute_angles` (the record is not changed: the angles are their
             own result); sharded (gathered) and accelerator weights, and groups past that size, are
             done at once, into ``LayerDiversity.angles``.
+        sharded: per layer, whether reading its weights is a collective (`gathers_weights`), when the
+            caller knows it already (the measured step finds it once per set of layers).
         tap: called with every weight group as it is read, ``tap(projection, layer indices,
             weights)`` (``(L, H, D_in, d)``; a gathered layer's weights are freed after it returns),
             for statistics that need the weights themselves from this one read (the update
@@ -458,7 +466,9 @@ def compute_report(
     # (projection, layer indices, overlap (L, h, h), hdi (L,), invalid (L, h)) on the weights' device
     pending: list[tuple[str, list[int], Tensor, Tensor, Tensor]] = []
     with torch.no_grad():
-        for proj, idx, stacked in weight_groups(layers, checked, fsdp_root=fsdp_root):
+        if sharded is None:
+            sharded = [gathers_weights(lay, fsdp_root) for lay in layers]
+        for proj, idx, stacked in weight_groups(layers, checked, fsdp_root=fsdp_root, sharded=sharded):
             _, heads, d_in, d = stacked.shape
             for i in idx:
                 fields[i]["chance_hdi"][proj] = chance_hdi(model_dim=d_in, head_dim=d, weighting=weighting)
@@ -469,7 +479,7 @@ def compute_report(
                 deferred = (
                     isinstance(angles, list)
                     and stacked.device.type == "cpu"
-                    and not gathers_weights(layers[idx[0]], fsdp_root)
+                    and not sharded[idx[0]]
                     and sum(w.weights.nbytes for w in angles) + stacked.nbytes <= ANGLE_COPY_BYTES
                 )
                 if deferred:

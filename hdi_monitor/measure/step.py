@@ -138,6 +138,7 @@ class MeasuredStep:
                 projections=watch.config.projections,
                 weighting=watch.config.weighting,
                 fsdp_root=watch.fsdp_root,
+                sharded=watch.sharded,
                 skipped=watch.skipped,
                 progress=progress,
                 angles=work if (image if angles is None else angles) else False,

@@ -25,7 +25,7 @@ from hdi_monitor.measure.compiled import CompiledUnit, compiled_units
 from hdi_monitor.measure.update_entropy import UpdateEntropy
 from hdi_monitor.models import AttentionLayer, SkippedModule, discover_attention, find_attention_layers
 from hdi_monitor.models.discovery import skipped_message
-from hdi_monitor.models.sharding import is_fsdp1_module
+from hdi_monitor.models.sharding import gathers_weights, is_fsdp1_module
 from hdi_monitor.models.tensor_parallel import data_parallel_group
 
 __all__ = ["ModelWatch"]
@@ -119,6 +119,7 @@ class ModelWatch:
         self.skipped: list[SkippedModule] = []  # attention-like modules found but not measured, with the reason
         self._layers: list[AttentionLayer] | None = None
         self._data_parallel: tuple[bool, Any] | None = None
+        self._sharded: tuple[nn.Module | None, list[bool]] | None = None
         self._signatures: list[tuple[Any, ...]] = []
 
     @property
@@ -170,6 +171,16 @@ class ModelWatch:
         return notes
 
     @property
+    def sharded(self) -> list[bool]:
+        """Per layer, whether reading its weights is a collective (DTensor, ZeRO-3 or FSDP1
+        parameters: `hdi_monitor.models.sharding.gathers_weights`), found once per set of layers
+        and FSDP1 root."""
+        layers = self.layers
+        if self._sharded is None or self._sharded[0] is not self.fsdp_root:
+            self._sharded = (self.fsdp_root, [gathers_weights(la, self.fsdp_root) for la in layers])
+        return self._sharded[1]
+
+    @property
     def data_parallel(self) -> tuple[bool, Any]:
         """``(reduce, group)``: whether and over which ranks the step's statistics are summed (see
         `hdi_monitor.models.tensor_parallel.data_parallel_group`; found once per set of layers, at
@@ -195,7 +206,7 @@ class ModelWatch:
 
     def _set_layers(self, layers: list[AttentionLayer]) -> list[str]:
         paths = {id(m): n for n, m in self.model.named_modules()}
-        self._layers, self._data_parallel = layers, None
+        self._layers, self._data_parallel, self._sharded = layers, None, None
         self._signatures = [_signature(la.module, paths.get(id(la.module))) for la in layers]
         self.units = compiled_units(self.model)
         stuck = [u for u in self.units if not u.interceptable]

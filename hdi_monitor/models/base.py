@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from hdi_monitor._validation import check_choice, check_int
 from hdi_monitor.exceptions import AdapterMismatch
-from hdi_monitor.models._parametrize import preserved_parametrizations
+from hdi_monitor.models._parametrize import parametrization_buffers, preserved_parametrizations
 from hdi_monitor.models.logits import LogitForm, QKNormGains
 
 __all__ = [
@@ -280,6 +280,7 @@ class AttentionLayer:
         self.mask_key = mask_key
         self._weights = dict(weights)
         self._output_module = output_module
+        self._guard_reads: bool | None = None  # a read must restore parametrization buffers (spectral_norm)
         if logit_form is not None and not isinstance(logit_form, LogitForm):
             raise TypeError(f"{name}: logit_form must be a LogitForm, got {type(logit_form).__name__}")
         self.logit_form = logit_form or LogitForm.refused(
@@ -327,7 +328,12 @@ class AttentionLayer:
         """
         heads = self.heads_for(projection)
         d = self.projection_dims[projection]
-        with preserved_parametrizations(self.module, self._output_module):  # spectral_norm: no power step kept
+        if self._guard_reads is None:  # found once: a parametrization added later changes the layer (found again)
+            self._guard_reads = bool(parametrization_buffers(self.module, self._output_module))
+        if self._guard_reads:
+            with preserved_parametrizations(self.module, self._output_module):  # spectral_norm: no power step kept
+                w = full_weight(self._weights[projection]())
+        else:
             w = full_weight(self._weights[projection]())
         if projection == "output":
             _check_divides(self.name, projection, w.shape[1], heads, d, "input features")

@@ -287,7 +287,7 @@ class Publisher:
                 MonitoringWarning,
                 rank_zero_only=True,
             )
-        if dispatch_events(m.step, events, config.on_saturation):
+        if events and dispatch_events(m.step, events, config.on_saturation):
             self.stop_requested = True
         self._write(published, activations=activations)
         return published

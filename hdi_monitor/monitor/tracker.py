@@ -120,6 +120,7 @@ class HDITracker:
         )
         self.watch = ModelWatch(model, config, fsdp_root=fsdp_root)
         self.disabled = False
+        self._image_every = config.image_every_n_steps  # the config is frozen: read once
         self._current: MeasuredStep | None = None  # the measured step under way on this rank
         self._scheduled: int | None = None  # its step, set even if this rank's start failed
         self._last_step = -1
@@ -237,7 +238,7 @@ class HDITracker:
         self._current, self._scheduled = None, step  # an unfinished earlier measurement is dropped
         if not self.watch.found:
             self.setup()  # a model the monitor cannot watch fails here, before its first step
-        every = self.config.image_every_n_steps
+        every = self._image_every
         image = bool(every) and step % every == 0
         with self._guard("measuring weights"):
             self._current = MeasuredStep.start(
