@@ -87,6 +87,7 @@ from torch import nn
 
 from hdi_monitor._validation import check_bool
 from hdi_monitor.config import DEFAULTS
+from hdi_monitor.events import DiversityEvent
 from hdi_monitor.exceptions import MonitoringWarning
 from hdi_monitor.integrations._settings import MonitorSettings
 from hdi_monitor.measure.compiled import called_through, compiled_units
@@ -306,6 +307,11 @@ class HDITrainerCallback(MonitorSettings, TrainerCallback, ExportableState):
         if self.tracker is not None:
             return self.tracker.history
         return History.from_state((self._restored_state or {}).get("history", []), self.config.history_budget)
+
+    @property
+    def events(self) -> list[DiversityEvent]:
+        """The early-warning events of the run so far (the last 1000; also in the Text tab)."""
+        return list(self.tracker.events) if self.tracker is not None else []
 
     @property
     def last_measurement(self) -> Measurement | None:

@@ -26,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
+from hdi_monitor.events import DiversityEvent
 from hdi_monitor.integrations._settings import MonitorSettings
 from hdi_monitor.integrations.loggers import sinks_for_loggers
 from hdi_monitor.measure.measurement import Measurement, Series
@@ -119,6 +120,11 @@ class HDIMonitor(MonitorSettings, Callback):
         if self.tracker is not None:
             return self.tracker.history
         return History.from_state((self._restored or {}).get("history", []), self.config.history_budget)
+
+    @property
+    def events(self) -> list[DiversityEvent]:
+        """The early-warning events of the run so far (the last 1000; also in the Text tab)."""
+        return list(self.tracker.events) if self.tracker is not None else []
 
     @property
     def last_measurement(self) -> Measurement | None:

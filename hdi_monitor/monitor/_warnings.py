@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import sys
 import sysconfig
@@ -15,7 +16,26 @@ from typing import Any
 from hdi_monitor.events import DiversityEvent
 from hdi_monitor.exceptions import DiversityWarning
 
-__all__ = ["dispatch_events", "summarize_events", "warn"]
+__all__ = ["dispatch_events", "say", "summarize_events", "warn"]
+
+#: The monitor's one-line messages (warm-up, end-of-run summary): Python logging, as Lightning's own
+#: messages; a handler printing the message alone is added when the application has configured none.
+LOGGER = logging.getLogger("hdi_monitor")
+if not logging.getLogger().hasHandlers() and not LOGGER.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(message)s"))
+    LOGGER.addHandler(_handler)
+    LOGGER.setLevel(logging.INFO)
+    LOGGER.propagate = False
+
+
+def say(line: str) -> None:
+    """One informational line on rank zero (the ``hdi_monitor`` logger, level INFO)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    LOGGER.info(line)
 
 
 _INTERNAL_PACKAGES = (

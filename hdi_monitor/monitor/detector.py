@@ -9,8 +9,8 @@ values, events already issued) round-trips through `SaturationDetector.state_dic
 Python types, so ``torch.load(..., weights_only=True)`` can read a checkpoint that holds it.
 
 Higher is better for every metric it watches (the HDI, the effective number of heads). Events,
-for one series ``(layer, projection, metric)``; only measurements at ``step >= warmup_steps``
-count:
+for one series ``(layer, projection, metric)``; only measurements after the warm-up count (the
+first ``warmup_measurements`` of the series, or those at steps below ``warmup_steps``):
 
 * **saturation**: over the last ``patience + 1`` measurements (the window), the best value has not
   improved by more than ``min_delta`` (EarlyStopping's rule) *and* the Theil-Sen median slope
@@ -155,6 +155,7 @@ class _Series:
     saturation_best: float | None = None  # best when saturation last fired
     collapse_fired: bool = False
     reported_pairs: set[tuple[int, int]] = field(default_factory=set)
+    seen: int = 0  # measurements fed, warmup included
 
     def to_state(self) -> dict[str, Any]:
         return {
@@ -165,6 +166,7 @@ class _Series:
             "saturation_best": self.saturation_best,
             "collapse_fired": self.collapse_fired,
             "reported_pairs": sorted([i, j] for i, j in self.reported_pairs),
+            "seen": self.seen,
         }
 
     @classmethod
@@ -177,6 +179,7 @@ class _Series:
             saturation_best=None if state["saturation_best"] is None else float(state["saturation_best"]),
             collapse_fired=bool(state["collapse_fired"]),
             reported_pairs={(int(i), int(j)) for i, j in state["reported_pairs"]},
+            seen=int(state.get("seen", 0)),
         )
 
 
@@ -188,8 +191,11 @@ class SaturationDetector:
             the robust slope is fitted over the last ``patience + 1`` measurements.
         min_delta: the smallest gain, over the whole window, that counts as improvement; in the
             metric's units (HDI units by default).
-        warmup_steps: measurements at training steps below this are ignored entirely (no history,
-            no best value, no event): the transient after random initialisation is no reference.
+        warmup_measurements: the first this many measurements of each series are ignored entirely
+            (no history, no best value, no event): the transient after random initialisation is no
+            reference. Counted in measurements, so the warm-up follows the measuring cadence.
+        warmup_steps: instead, ignore the measurements at training steps below this (None: count
+            measurements).
         collapse_delta: collapse fires when the value is worse than the best so far by more than
             this, in the metric's units.
         redundancy_threshold: a head pair is redundant when its overlap (or correlation) is at least
@@ -197,7 +203,7 @@ class SaturationDetector:
 
     The defaults suit HDI measured every ~100 training steps: ``patience=10`` measurements (about
     1000 steps), ``min_delta=0.002`` HDI over that window (a rise slower than 0.0002 HDI per
-    measurement counts as a plateau), ``warmup_steps=1000``, ``collapse_delta=0.05`` HDI and
+    measurement counts as a plateau), a warm-up of 10 measurements, ``collapse_delta=0.05`` HDI and
     ``redundancy_threshold=0.9``. The warnings study (``benchmarks/warnings_study.py``,
     ``docs/early-warnings.md``) replayed other ``patience``, ``min_delta``, warmup and
     ``collapse_delta`` values over its runs; none beat these by more than its margin: saturation's
@@ -214,7 +220,8 @@ class SaturationDetector:
         *,
         patience: int = 10,
         min_delta: float = 0.002,
-        warmup_steps: int = 1000,
+        warmup_measurements: int = 10,
+        warmup_steps: int | None = None,
         collapse_delta: float = 0.05,
         redundancy_threshold: float = 0.9,
     ) -> None:
@@ -225,13 +232,18 @@ class SaturationDetector:
                 f"min_delta must be >= 0 (higher is better for every metric watched), got {min_delta}; "
                 "pass its absolute value"
             )
-        warmup_steps = check_int("warmup_steps", check_index("warmup_steps", warmup_steps), low=0)
+        warmup_measurements = check_int(
+            "warmup_measurements", check_index("warmup_measurements", warmup_measurements), low=0
+        )
+        if warmup_steps is not None:
+            warmup_steps = check_int("warmup_steps", check_index("warmup_steps", warmup_steps), low=0)
         collapse_delta = check_real("collapse_delta", collapse_delta, low=0.0, low_open=True)
         redundancy_threshold = check_real(
             "redundancy_threshold", redundancy_threshold, low=0.0, high=1.0, low_open=True
         )
         self.patience = patience
         self.min_delta = min_delta
+        self.warmup_measurements = warmup_measurements
         self.warmup_steps = warmup_steps
         self.collapse_delta = collapse_delta
         self.redundancy_threshold = redundancy_threshold
@@ -310,7 +322,8 @@ class SaturationDetector:
         if series is None:
             series = self._series[key] = _Series()
         series.last_step = step
-        if step < self.warmup_steps:
+        series.seen += 1
+        if self.warming(step, series.seen):
             return []
 
         events: list[DiversityEvent] = []
@@ -324,6 +337,20 @@ class SaturationDetector:
         del self._events[:-MAX_KEPT_EVENTS]
         return events
 
+    def warming(self, step: int, seen: int) -> bool:
+        """True while a series is warming up: its ``seen``-th measurement at ``step`` (1-based) is
+        ignored (see ``warmup_measurements`` and ``warmup_steps``)."""
+        if self.warmup_steps is not None:
+            return step < self.warmup_steps
+        return seen <= self.warmup_measurements
+
+    def warmup_text(self, first_step: int, every_n_steps: int) -> str:
+        """How long this detector warms up, said once when a run starts measuring at ``first_step``."""
+        if self.warmup_steps is not None:
+            return f"until step {self.warmup_steps}"
+        last = first_step + (self.warmup_measurements - 1) * every_n_steps
+        return f"for the first {self.warmup_measurements} measurements (until step {last} at every_n_steps={every_n_steps})"
+
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state (ints, floats, strs, bools, None, lists, dicts): loadable with
         ``torch.load(..., weights_only=True)``."""
@@ -332,6 +359,7 @@ class SaturationDetector:
             "config": {
                 "patience": self.patience,
                 "min_delta": self.min_delta,
+                "warmup_measurements": self.warmup_measurements,
                 "warmup_steps": self.warmup_steps,
                 "collapse_delta": self.collapse_delta,
                 "redundancy_threshold": self.redundancy_threshold,
@@ -544,10 +572,10 @@ def resolve_detectors(
 
     * ``detector`` watches the HDI series. ``"default"`` is ``SaturationDetector()`` (the
       defaults of Lightning's EarlyStopping vocabulary: ``patience=10``, ``min_delta=0.002``,
-      ``warmup_steps=1000``, ...); None turns HDI early warnings off.
+      a warm-up of 10 measurements, ...); None turns HDI early warnings off.
     * ``activation_detector`` watches the effective-heads series (counted in heads) and redundant
       head pairs by output correlation. ``"default"`` derives it from the HDI detector: the same
-      ``patience``, ``warmup_steps`` and ``redundancy_threshold``, with the thresholds in heads
+      ``patience``, warm-up and ``redundancy_threshold``, with the thresholds in heads
       (`ACTIVATION_MIN_DELTA`, `ACTIVATION_COLLAPSE_DELTA`); it is None when ``detector`` is None
       or ``activations`` is off. Pass a `SaturationDetector` to configure it on its own.
     """
@@ -560,6 +588,7 @@ def resolve_detectors(
         return hdi, None
     act = SaturationDetector(
         patience=hdi.patience,
+        warmup_measurements=hdi.warmup_measurements,
         warmup_steps=hdi.warmup_steps,
         redundancy_threshold=hdi.redundancy_threshold,
         min_delta=ACTIVATION_MIN_DELTA,

@@ -42,7 +42,10 @@ class KernelDetector:
     never spiked.
 
     Args:
-        warmup_steps: measurements at training steps below this are ignored entirely.
+        warmup_measurements: the first this many measurements of each layer are ignored entirely
+            (the warm-up follows the measuring cadence).
+        warmup_steps: instead, ignore the measurements at training steps below this (None: count
+            measurements).
         entropy_fraction: in ``(0, 1)``: entropy collapse below this fraction of the best.
         logit_threshold: a maximum logit above this is a blow-up.
         logit_growth: ``> 1``: growth by this factor within the window is a blow-up.
@@ -53,14 +56,23 @@ class KernelDetector:
     def __init__(
         self,
         *,
-        warmup_steps: int = 1000,
+        warmup_measurements: int = 10,
+        warmup_steps: int | None = None,
         entropy_fraction: float = 0.2,
         logit_threshold: float = 500.0,
         logit_growth: float = 100.0,
         patience: int = 10,
         min_logit: float = 10.0,
     ) -> None:
-        self.warmup_steps = check_int("warmup_steps", check_index("warmup_steps", warmup_steps), low=0)
+        self.warmup_measurements = check_int(
+            "warmup_measurements", check_index("warmup_measurements", warmup_measurements), low=0
+        )
+        self.warmup_steps = (
+            None
+            if warmup_steps is None
+            else check_int("warmup_steps", check_index("warmup_steps", warmup_steps), low=0)
+        )
+        self._seen: dict[str, int] = {}  # layer -> measurements fed, warm-up included
         self.entropy_fraction = check_real(
             "entropy_fraction", entropy_fraction, low=0.0, high=1.0, low_open=True, high_open=True
         )
@@ -89,6 +101,7 @@ class KernelDetector:
         self._logits.clear()
         self._fired.clear()
         self._last_step.clear()
+        self._seen.clear()
         self._events.clear()
 
     def update(
@@ -119,7 +132,8 @@ class KernelDetector:
         if last is not None and step <= last:
             raise ValueError(f"step {step} for {layer!r} is not after the previous measurement at step {last}")
         self._last_step[layer] = step
-        if step < self.warmup_steps:
+        self._seen[layer] = seen = self._seen.get(layer, 0) + 1
+        if step < self.warmup_steps if self.warmup_steps is not None else seen <= self.warmup_measurements:
             return []
         ent, ref, top = _measurement(entropy), _measurement(uniform), _measurement(max_logit)
         events: list[DiversityEvent] = []
@@ -183,6 +197,7 @@ class KernelDetector:
             "logits": {k: list(v) for k, v in self._logits.items()},
             "fired": sorted([layer, kind] for layer, kind in self._fired),
             "last_step": dict(self._last_step),
+            "seen": dict(self._seen),
             "events": [e.to_dict() for e in self._events],
         }
 
@@ -195,6 +210,7 @@ class KernelDetector:
             self._logits = {str(k): [float(x) for x in v][-(self.patience + 1) :] for k, v in state["logits"].items()}
             self._fired = {(str(a), str(b)) for a, b in state["fired"]}
             self._last_step = {str(k): int(v) for k, v in state["last_step"].items()}
+            self._seen = {str(k): int(v) for k, v in state.get("seen", {}).items()}
             self._events = [DiversityEvent.from_dict(e) for e in state["events"]][-MAX_KEPT_EVENTS:]
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"malformed KernelDetector state: {err!r}") from err

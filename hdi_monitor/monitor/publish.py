@@ -29,7 +29,7 @@ from hdi_monitor.config import MonitorConfig
 from hdi_monitor.events import DiversityEvent
 from hdi_monitor.exceptions import MonitoringWarning
 from hdi_monitor.measure.measurement import Measurement, layer_tag
-from hdi_monitor.monitor._warnings import dispatch_events, warn
+from hdi_monitor.monitor._warnings import dispatch_events, say, warn
 from hdi_monitor.monitor.dashboard import Dashboard
 from hdi_monitor.monitor.detector import DetectorArg, SaturationDetector, resolve_detectors
 from hdi_monitor.monitor.history import History
@@ -200,7 +200,11 @@ class Publisher:
                 raise ValueError(
                     f"kernel_detector must be a KernelDetector, 'default' or None, got {kernel_detector!r}"
                 )
-            kernel_detector = KernelDetector(warmup_steps=hdi.warmup_steps) if config.kernel_stats and hdi else None
+            kernel_detector = (
+                KernelDetector(warmup_measurements=hdi.warmup_measurements, warmup_steps=hdi.warmup_steps)
+                if config.kernel_stats and hdi
+                else None
+            )
         elif kernel_detector is not None and not isinstance(kernel_detector, KernelDetector):
             raise TypeError(
                 f"kernel_detector must be a KernelDetector, 'default' or None, got {type(kernel_detector).__name__}"
@@ -221,6 +225,7 @@ class Publisher:
         self.last: Measurement | None = None
         self.stop_requested = False
         self.imaged_step: int | None = None  # last step whose pictures were queued
+        self._run: list[int] = []  # this run's published measurements: [count, events, first step]
         self._invalid_seen: set[tuple[str, str]] = set()
         self.wait_timeout = WAIT_SECONDS
         """Seconds the training thread waits for the picture worker at most (see `WAIT_SECONDS`)."""
@@ -269,6 +274,13 @@ class Publisher:
             detecting=detecting,
         )
         published = dataclasses.replace(m, events=tuple(events), series=series, angle_work=())
+        if not self._run:
+            self._run = [0, 0, m.step]
+            if self.detector is not None:  # the one line on when the early warnings can first fire
+                every = self.config.every_n_steps
+                say(f"hdi-monitor: early warnings warm up {self.detector.warmup_text(m.step, every)}")
+        self._run[0] += 1
+        self._run[1] += len(events)
         # results first, so that no sink can lose them; then the warnings; then the sinks, each alone
         self.history.append(m.step, series)
         self.events = (self.events + events)[-MAX_EVENTS:]
@@ -408,6 +420,29 @@ class Publisher:
             notes.append(str(lost))
         if notes:
             warn("hdi-monitor: " + "; ".join(notes), MonitoringWarning, rank_zero_only=True)
+        self._summarize_run()
+
+    def _summarize_run(self) -> None:
+        """The end-of-run line: the run's events, or that the run ended inside the warm-up."""
+        if not self._run:
+            return
+        count, events, _ = self._run
+        self._run = []
+        detector = self.detector
+        if detector is not None and self.last is not None and detector.warming(self.last.step, count):
+            say(
+                f"hdi-monitor: the run ended inside the early-warning warm-up ({count} measurement(s)); no early "
+                "warning could fire"
+            )
+        elif events:
+            kinds: dict[str, int] = {}
+            for e in self.events[-events:]:
+                kinds[e.kind] = kinds.get(e.kind, 0) + 1
+            listed = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in kinds.items())
+            say(
+                f"hdi-monitor: {events} early-warning event(s) in this run ({listed}); see the Text tab "
+                "(diversity_events/*) or .events"
+            )
 
     def _write(self, m: Measurement, *, activations: bool) -> None:
         """Scalars, layout, levels and events to every sink, each guarded alone and under its lock:
