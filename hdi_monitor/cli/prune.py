@@ -159,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
         sweep,
         time_forward,
     )
-    from hdi_monitor.cli.report import find_layers, load_inputs, load_model
+    from hdi_monitor.cli._load import load_inputs, load_model
+    from hdi_monitor.cli.report import find_layers
     from hdi_monitor.models.hooks import iter_batches
 
     rankings_wanted = list(dict.fromkeys(args.rank or ["diversity", "importance", "random"]))

@@ -21,23 +21,21 @@ trust (unpickling can run code). The output is a table (default), the JSON of
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
-import inspect
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hdi_monitor.cli._common import CLIError, _os_error, add_model_arguments, prepare_out_dir
+from hdi_monitor.cli._load import load_inputs, load_model
+from hdi_monitor.cli._load import one_line as _one_line
 
 HELP = "report the head diversity of a trained model (Hugging Face folder, Lightning checkpoint or state_dict)"
 
 _PROJECTIONS = ("query", "key", "value", "output")
 _PROGRESS_LAYERS = 12  # show a progress bar by default above this many attention layers
-_TEXT_BATCH = 16  # lines per batch for --inputs text files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-tokens", type=int, default=None, metavar="N", help="cap on tokens per layer for --inputs"
+    )
+    parser.add_argument(
+        "--call",
+        metavar="NAME",
+        help="the submodule to run --inputs through (e.g. net), for a model without a forward() of its own; "
+        "default: the model, or the one submodule that holds every attention layer and has a forward()",
     )
     parser.add_argument("--device", default="cpu", help="device to measure on (default: cpu)")
     parser.add_argument(
@@ -84,13 +88,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------------------- helpers
 
 
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip() or type(err).__name__
-    if isinstance(err, KeyError) and len(err.args) == 1:
-        text = f"missing key {err.args[0]!r}"
-    return text.splitlines()[0].strip()
-
-
 def _projections(values: list[str] | None) -> tuple[str, ...]:
     values = values or ["all"]
     items = [v.strip().lower() for value in values for v in value.split(",") if v.strip()]
@@ -100,384 +97,6 @@ def _projections(values: list[str] | None) -> tuple[str, ...]:
     if bad or not items:
         raise CLIError(f"--projections: unknown {bad or values}; choose from {', '.join(_PROJECTIONS)} or 'all'")
     return tuple(dict.fromkeys(items))
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[Any]:
-    """Import transformers with its loading bars and info/warning logs off; CLIError if missing."""
-    try:
-        import transformers
-    except ImportError as err:
-        raise CLIError(
-            f"this PATH needs the transformers package ({_one_line(err)}): pip install -e '.[hf]' in a checkout "
-            "of hdi-monitor (pip install 'hdi-monitor[hf]' once it is on a package index)"
-        ) from err
-    logging = transformers.utils.logging
-    verbosity = logging.get_verbosity()
-    bars = logging.is_progress_bar_enabled()
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    try:
-        yield transformers
-    finally:
-        logging.set_verbosity(verbosity)
-        if bars:
-            logging.enable_progress_bar()
-
-
-def _check_complete(path: Path, what: str) -> None:
-    """CLIError for an empty file or a torch.save zip archive whose end is missing (a copy or a save
-    that was cut off), so that such files are named for what they are."""
-    import zipfile
-
-    if not path.is_file():
-        return
-    size = path.stat().st_size
-    if size == 0:
-        raise CLIError(
-            f"{what} {str(path)!r} is empty (0 bytes): the file was not written completely, or is not the one you meant"
-        )
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head == b"PK\x03\x04" and not zipfile.is_zipfile(path):
-        raise CLIError(
-            f"{what} {str(path)!r} is truncated: it starts as a torch.save archive but its end is missing "
-            f"({size} bytes); the save or the copy was cut off"
-        )
-
-
-def _truncated_pickle(err: BaseException) -> bool:
-    return isinstance(err, EOFError) or "truncated" in str(err) or "Ran out of input" in str(err)
-
-
-def _looks_like_torch_file(path: Path) -> bool:
-    """A ``torch.save`` zip archive, or a legacy pickle (protocol 2+ starts with byte 0x80)."""
-    import zipfile
-
-    if zipfile.is_zipfile(path):
-        return True
-    with open(path, "rb") as f:
-        return f.read(1) == b"\x80"
-
-
-def _torch_load(path: Path, allow_pickle: bool, what: str) -> Any:
-    import torch
-
-    if path.suffix == ".safetensors":
-        try:
-            from safetensors.torch import load_file
-        except ImportError as err:
-            raise CLIError(f"{what} {str(path)!r} is a .safetensors file: pip install safetensors") from err
-        try:
-            return load_file(str(path), device="cpu")
-        except Exception as err:  # noqa: BLE001 - any failure means: not a safetensors file
-            raise CLIError(f"{what} {str(path)!r} is not a readable safetensors file ({_one_line(err)})") from err
-    _check_complete(path, what)
-    if not _looks_like_torch_file(path):
-        raise CLIError(f"{what} {str(path)!r} is not a PyTorch model file (neither a torch.save archive nor a pickle)")
-    try:
-        return torch.load(str(path), map_location="cpu", weights_only=not allow_pickle)
-    except Exception as err:  # noqa: BLE001
-        if not allow_pickle and "Weights only load failed" in str(err):
-            raise CLIError(
-                f"{what} {str(path)!r} holds Python objects beyond tensors; if you trust the file, rerun with --allow-pickle"
-            ) from err
-        if _truncated_pickle(err):
-            raise CLIError(
-                f"{what} {str(path)!r} is truncated: its data ends early; the save or the copy was cut off"
-            ) from err
-        raise CLIError(
-            f"{what} {str(path)!r} is not a PyTorch model file ({type(err).__name__}: {_one_line(err)})"
-        ) from err
-
-
-def _import_class(spec: str) -> type:
-    module_name, _, class_name = spec.rpartition(".")
-    if not module_name or not class_name:
-        raise CLIError(f"--module must be 'package.module.Class', got {spec!r}")
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        # last, so that modules next to the user's scripts import, but a stray file there (a jinja2.py)
-        # never shadows an installed package that the command imports later
-        sys.path.append(cwd)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise CLIError(f"--module {spec}: cannot import {module_name!r} ({_one_line(err)})") from err
-    except Exception as err:  # noqa: BLE001 - the user's module failed while importing
-        raise CLIError(
-            f"--module {spec}: importing {module_name!r} failed ({type(err).__name__}: {_one_line(err)})"
-        ) from err
-    cls = getattr(module, class_name, None)
-    if not isinstance(cls, type):
-        raise CLIError(f"--module {spec}: {module_name!r} has no class {class_name!r}")
-    return cls
-
-
-def _load_lightning(path: Path, spec: str, allow_pickle: bool) -> Any:
-    cls = _import_class(spec)
-    try:
-        import lightning.pytorch as pl
-    except ImportError as err:  # pragma: no cover - lightning is a dependency
-        raise CLIError(f"--module needs lightning ({_one_line(err)})") from err
-    if not issubclass(cls, pl.LightningModule):
-        raise CLIError(f"--module {spec}: {cls.__name__} is not a LightningModule subclass")
-    if path.is_dir():
-        raise CLIError(f"{str(path)!r} is a folder; --module expects a Lightning checkpoint file")
-    _check_complete(path, "checkpoint")
-    try:
-        return cls.load_from_checkpoint(str(path), map_location="cpu", weights_only=not allow_pickle)
-    except Exception as err:  # noqa: BLE001
-        if not allow_pickle and "Weights only load failed" in str(err):
-            raise CLIError(
-                f"{str(path)!r} holds Python objects beyond tensors; if you trust the file, rerun with --allow-pickle"
-            ) from err
-        if _truncated_pickle(err):
-            raise CLIError(
-                f"checkpoint {str(path)!r} is truncated: its data ends early; the save or the copy was cut off"
-            ) from err
-        raise CLIError(f"cannot rebuild {spec} from {str(path)!r} ({type(err).__name__}: {_one_line(err)})") from err
-
-
-def _is_lightning_checkpoint(obj: Any) -> bool:
-    return isinstance(obj, Mapping) and "state_dict" in obj and any("lightning_version" in str(k) for k in obj)
-
-
-def _as_state_dict(obj: Any) -> dict[str, Any] | None:
-    """A ``{name: tensor}`` mapping from a loaded object, looking inside the usual wrappers."""
-    import torch
-
-    if not isinstance(obj, Mapping):
-        return None
-    if obj and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
-        return dict(obj)
-    for key in ("state_dict", "model_state_dict", "model"):
-        inner = obj.get(key)
-        if isinstance(inner, Mapping) and inner and all(isinstance(v, torch.Tensor) for v in inner.values()):
-            return dict(inner)
-    return None
-
-
-def _config_path(config: str) -> Path:
-    path = Path(config)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise CLIError(f"--config {config!r}: no such config file (give a config.json or a folder holding one)")
-    return path
-
-
-def _strip_prefix(state: dict[str, Any], wanted: set[str], base_prefix: str | None) -> tuple[dict[str, Any], str]:
-    """Pick the key prefix (``""``, ``"model."``, the model's ``base_model_prefix``, ...) whose
-    stripped keys best cover ``wanted``; keys outside the prefix (task heads) are dropped."""
-    candidates = {""}
-    if base_prefix:
-        candidates.add(base_prefix + ".")
-    for key in state:
-        parts = key.split(".")
-        for n in (1, 2):
-            if len(parts) > n:
-                candidates.add(".".join(parts[:n]) + ".")
-    best, best_prefix, best_hits = state, "", -1
-    for prefix in sorted(candidates, key=len):
-        stripped = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-        hits = len(wanted & stripped.keys())
-        if hits > best_hits:
-            best, best_prefix, best_hits = stripped, prefix, hits
-    return best, best_prefix
-
-
-def _model_classes(transformers: Any, cfg: Any) -> list[tuple[str, Any]]:
-    """Classes to try for a config: its ``architectures`` (the model the weights came from), then
-    ``AutoModel`` (the base model)."""
-    out: list[tuple[str, Any]] = []
-    for name in getattr(cfg, "architectures", None) or []:
-        cls = getattr(transformers, str(name), None)
-        if isinstance(cls, type):
-            out.append((str(name), cls))
-    out.append(("AutoModel", None))
-    return out
-
-
-def _build(transformers: Any, cls: Any, cfg: Any) -> Any:
-    return transformers.AutoModel.from_config(cfg) if cls is None else cls(cfg)
-
-
-def _load_state_dict_model(path: Path, state: dict[str, Any], config: str) -> Any:
-    """Build the model ``config`` describes and load ``state`` into it, strictly up to one prefix."""
-    import torch
-
-    with _quiet_transformers() as transformers:
-        cfg_path = _config_path(config)
-        try:
-            cfg = transformers.AutoConfig.from_pretrained(str(cfg_path.parent), local_files_only=True)
-        except Exception as err:  # noqa: BLE001
-            raise CLIError(f"--config {config!r} is not a Hugging Face config ({_one_line(err)})") from err
-        best: tuple[int, str, str, list[str], list[str]] | None = None
-        for name, cls in _model_classes(transformers, cfg):
-            try:
-                with torch.device("meta"):  # key names only: no memory, no initialisation
-                    skeleton = _build(transformers, cls, cfg)
-            except Exception as err:  # noqa: BLE001
-                if cls is None:
-                    raise CLIError(f"cannot build a model from --config {config!r} ({_one_line(err)})") from err
-                continue
-            wanted = set(skeleton.state_dict().keys())
-            stripped, prefix = _strip_prefix(state, wanted, getattr(skeleton, "base_model_prefix", None))
-            missing = sorted(wanted - stripped.keys())
-            unexpected = sorted(stripped.keys() - wanted)
-            if not missing and not unexpected:
-                model = _build(transformers, cls, cfg)
-                try:
-                    model.load_state_dict(stripped, strict=True)
-                except Exception as err:  # noqa: BLE001 - shape mismatches
-                    raise CLIError(f"{str(path)!r} does not fit {name} built from --config ({_one_line(err)})") from err
-                return model
-            score = len(missing) + len(unexpected)
-            if best is None or score < best[0]:
-                best = (score, type(skeleton).__name__, prefix, missing, unexpected)
-    assert best is not None
-    _, cls_name, prefix, missing, unexpected = best
-    where = f" (after removing the prefix {prefix!r})" if prefix else ""
-    parts = []
-    if missing:
-        parts.append(f"{len(missing)} missing key(s), e.g. {missing[:3]}")
-    if unexpected:
-        parts.append(f"{len(unexpected)} unexpected key(s), e.g. {unexpected[:3]}")
-    raise CLIError(
-        f"{str(path)!r} does not fit {cls_name} built from --config{where}: "
-        + "; ".join(parts)
-        + '; for a task model (e.g. BertForMaskedLM) name its class in the config\'s "architectures"'
-    )
-
-
-#: Files that hold a tokenizer's vocabulary; a folder with none of them has no real tokenizer.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "vocab.txt",
-    "vocab.json",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "tokenizer.model",
-    "source.spm",
-    "vocab.model",
-)
-
-
-def _text_tokenizer(args: argparse.Namespace, default: str | None) -> Any:
-    """The tokenizer for a ``.txt`` ``--inputs`` (None when the inputs are not text): from
-    ``--tokenizer``, else from ``default`` (the model or ``--config`` folder). Refused (CLIError)
-    unless a real tokenizer is found: a folder without tokenizer files makes transformers 5 build a
-    placeholder of a few special tokens that turns every word into ``[UNK]``."""
-    if not (args.inputs and str(args.inputs).endswith(".txt")):
-        return None
-    named = getattr(args, "tokenizer", None)
-    where = named or default
-    option = f"--tokenizer {named!r}" if named else (f"{default!r}" if default else "")
-    if where is None:
-        return None  # load_inputs says that text needs a tokenizer
-    folder = Path(where)
-    if named and not folder.exists():
-        raise CLIError(f"--tokenizer {named!r}: no such folder")
-    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        raise CLIError(
-            f"--inputs is text but {option} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); "
-            "transformers would build a placeholder tokenizer that reads every word as [UNK]. Name the tokenizer "
-            "folder with --tokenizer DIR, or give a .pt file of token ids"
-        )
-    with _quiet_transformers() as transformers:
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        except Exception as err:  # noqa: BLE001
-            raise CLIError(f"--inputs is text but {option} has no usable tokenizer ({_one_line(err)})") from err
-    specials = len(set(getattr(tokenizer, "all_special_tokens", []) or []))
-    if len(tokenizer) <= specials + 1:
-        raise CLIError(
-            f"--inputs is text but the tokenizer of {option} has {len(tokenizer)} tokens, its special tokens only: "
-            "every word would be [UNK]. Name a real tokenizer with --tokenizer DIR, or give a .pt file of token ids"
-        )
-    return tokenizer
-
-
-def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
-    """Load PATH as described by the options. Returns ``(model, tokenizer or None)``."""
-    from torch import nn
-
-    path = Path(args.path)
-    if not path.exists():
-        raise CLIError(f"no such file or folder: {args.path!r}")
-    if args.module:
-        if args.config:
-            raise CLIError(
-                "--module and --config exclude each other (--module: Lightning checkpoint; --config: plain state_dict)"
-            )
-        return _load_lightning(path, args.module, args.allow_pickle), _text_tokenizer(args, None)
-    if path.is_dir():
-        if args.config:
-            raise CLIError("--config is for a plain state_dict file; a Hugging Face folder brings its own config.json")
-        if not (path / "config.json").is_file():
-            raise CLIError(f"{args.path!r} is a folder without config.json, so not a Hugging Face model folder")
-        with _quiet_transformers() as transformers:
-            try:
-                model = transformers.AutoModel.from_pretrained(str(path), local_files_only=True)
-            except Exception as err:  # noqa: BLE001
-                raise CLIError(f"cannot load a Hugging Face model from {args.path!r} ({_one_line(err)})") from err
-        return model, _text_tokenizer(args, str(path))
-    obj = _torch_load(path, args.allow_pickle, "PATH")
-    if isinstance(obj, nn.Module):
-        return obj, None
-    if _is_lightning_checkpoint(obj):
-        raise CLIError(f"{args.path!r} is a Lightning checkpoint: pass --module package.Class (your LightningModule)")
-    state = _as_state_dict(obj)
-    if state is None:
-        raise CLIError(
-            f"{args.path!r} is not a model: expected a state_dict (name -> tensor), a Lightning checkpoint or a model folder"
-        )
-    if not args.config:
-        raise CLIError(
-            f"{args.path!r} is a plain state_dict: pass --config with the Hugging Face config.json that built it"
-        )
-    model = _load_state_dict_model(path, state, args.config)
-    return model, _text_tokenizer(args, str(_config_path(args.config).parent))
-
-
-def load_inputs(path_str: str, model: Any, tokenizer: Any, allow_pickle: bool) -> Any:
-    """``--inputs``: a .txt file tokenized in batches of 16 lines, or a .pt file of tensors."""
-    path = Path(path_str)
-    if not path.is_file():
-        raise CLIError(f"--inputs: no such file: {path_str!r}")
-    if path.suffix == ".txt":
-        if tokenizer is None:
-            raise CLIError(
-                "--inputs is a text file, which needs a Hugging Face model folder with a tokenizer; give a .pt file of token ids instead"
-            )
-        lines = [
-            line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()
-        ]
-        if not lines:
-            raise CLIError(f"--inputs {path_str!r} has no non-empty line")
-        if tokenizer.pad_token is None and getattr(tokenizer, "eos_token", None) is not None:
-            tokenizer.pad_token = tokenizer.eos_token  # GPT-2 style tokenizers have no pad token
-        limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 512
-        limit = min(int(limit), int(getattr(tokenizer, "model_max_length", limit) or limit))
-        accepted = set(inspect.signature(model.forward).parameters)
-        batches = []
-        for start in range(0, len(lines), _TEXT_BATCH):
-            enc = tokenizer(
-                lines[start : start + _TEXT_BATCH], padding=True, truncation=True, max_length=limit, return_tensors="pt"
-            )
-            batches.append({k: v for k, v in enc.items() if k in accepted})
-        return batches
-    if path.suffix in (".pt", ".pth", ".bin"):
-        import torch
-
-        obj = _torch_load(path, allow_pickle, "--inputs")
-        if isinstance(obj, (torch.Tensor, Mapping, list, tuple)):
-            return obj
-        raise CLIError(
-            f"--inputs {path_str!r} holds a {type(obj).__name__}; expected a tensor, a dict of tensors or a list of batches"
-        )
-    raise CLIError(f"--inputs must be a .txt or .pt file, got {path_str!r}")
 
 
 def find_layers(model: Any, args: argparse.Namespace) -> list[Any]:
@@ -493,6 +112,50 @@ def find_layers(model: Any, args: argparse.Namespace) -> list[Any]:
         raise CLIError(f"{args.path!r}: {_one_line(err)}") from err
 
 
+def _has_forward(module: Any) -> bool:
+    """True when ``module`` has a ``forward`` of its own (not the base classes' unimplemented one)."""
+    from torch import nn
+
+    forward = type(module).forward
+    bases = [nn.Module.forward]
+    try:
+        from lightning.pytorch import LightningModule
+
+        bases.append(LightningModule.forward)
+    except ImportError:  # pragma: no cover - lightning is a dependency
+        pass
+    return all(forward is not base for base in bases)
+
+
+def call_target(model: Any, layers: list[Any], name: str | None) -> Any:
+    """The module ``--inputs`` are passed to: ``--call NAME``, the model when it has a ``forward``,
+    else the outermost submodule that holds every attention layer and has a ``forward`` of its own
+    (the network a LightningModule runs in its ``training_step``); CLIError when none is found."""
+    if name is not None:
+        try:
+            target = model.get_submodule(name)
+        except AttributeError as err:
+            raise CLIError(f"--call {name!r}: {type(model).__name__} has no submodule of that name") from err
+        if not _has_forward(target):
+            raise CLIError(f"--call {name!r}: {type(target).__name__} has no forward() to run the inputs through")
+        return target
+    if _has_forward(model):
+        return model
+    names = [la.name for la in layers]
+    candidates = [
+        (path, module)
+        for path, module in model.named_modules()
+        if path and _has_forward(module) and all(n == path or n.startswith(path + ".") for n in names)
+    ]
+    if candidates:
+        return min(candidates, key=lambda c: c[0].count("."))[1]
+    children = ", ".join(n for n, _ in model.named_children()) or "none"
+    raise CLIError(
+        f"{type(model).__name__} has no forward() to run --inputs through and no submodule with one holds every "
+        f"attention layer; pass --call NAME, the submodule its training_step calls (its children: {children})"
+    )
+
+
 def measure(
     model: Any,
     projections: tuple[str, ...],
@@ -501,6 +164,7 @@ def measure(
     max_tokens: int | None = None,
     layer_filter: str | None = None,
     progress: Callable[[int], Any] | None = None,
+    call: Any = None,
 ) -> Any:
     """The report of `head_diversity` (the same call, ``layer_filter`` is its ``layers``), with
     ``progress`` called as it goes: one per layer and projection, then one per batch of
@@ -516,11 +180,15 @@ def measure(
             inputs=inputs,
             max_tokens=max_tokens,
             progress=progress,
+            call=None if call is model else call,
         )
-    except (ValueError, TypeError) as err:
+    except Exception as err:  # noqa: BLE001 - the user's inputs or model: one line, never an internal error
         if inputs is None:
             raise
-        raise CLIError(f"--inputs: {_one_line(err)}") from err
+        if isinstance(err, (ValueError, TypeError)):
+            raise CLIError(f"--inputs: {_one_line(err)}") from err
+        runner = type(call if call is not None else model).__name__
+        raise CLIError(f"--inputs: running {runner} on them failed ({type(err).__name__}: {_one_line(err)})") from err
 
 
 def run(args: argparse.Namespace) -> int:
@@ -537,9 +205,13 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--device {args.device!r}: {_one_line(err)}") from err
     model, tokenizer = load_model(args)
     model.eval()
-    inputs = None
+    layers = find_layers(model, args)
+    inputs = target = None
     if args.inputs:
-        inputs = load_inputs(args.inputs, model, tokenizer, args.allow_pickle)
+        target = call_target(model, layers, args.call)
+        inputs = load_inputs(args.inputs, target, tokenizer, args.allow_pickle)
+    elif args.call is not None:
+        raise CLIError("--call names the submodule --inputs run through: give --inputs too")
     if device.type != "cpu":
         try:
             model.to(device)
@@ -548,7 +220,6 @@ def run(args: argparse.Namespace) -> int:
         from lightning.fabric.utilities.apply_func import move_data_to_device
 
         inputs = move_data_to_device(inputs, device)
-    layers = find_layers(model, args)
     show = args.progress if args.progress is not None else len(layers) > _PROGRESS_LAYERS
     if inputs is not None:
         from hdi_monitor.models.hooks import iter_batches
@@ -560,7 +231,9 @@ def run(args: argparse.Namespace) -> int:
     bar = tqdm(total=total, file=sys.stderr, desc="hdi-monitor report", unit="layer", leave=False, disable=not show)
     try:
         bar.set_postfix_str(f"{len(layers)} layers, {', '.join(projections)}", refresh=False)
-        report = measure(model, projections, args.weighting, inputs, args.max_tokens, args.layers, progress=bar.update)
+        report = measure(
+            model, projections, args.weighting, inputs, args.max_tokens, args.layers, progress=bar.update, call=target
+        )
         files = None
         if args.out:
             from hdi_monitor.cli.html import figure_count, write_report

@@ -36,6 +36,7 @@ def head_diversity(
     inputs: Any = None,
     max_tokens: int | None = None,
     progress: Progress | None = None,
+    call: nn.Module | str | None = None,
 ) -> DiversityReport:
     """Head diversity of every attention layer of ``model``.
 
@@ -58,6 +59,10 @@ def head_diversity(
         progress: called with the number of work units just done, for a progress bar:
             ``len(layers) * len(projections)`` layer measurements, then one per batch of
             ``inputs``; ``tqdm(total=...).update`` fits.
+        call: the module the ``inputs`` are passed to, or its qualified name in ``model``: a
+            submodule that holds the attention layers, for a model without a ``forward`` of its own
+            (a LightningModule that calls ``self.net(x)`` in its ``training_step``); default
+            ``model`` itself.
 
     Returns:
         A `DiversityReport`; ``print(report)`` shows a table. Attention-like modules that are not
@@ -90,7 +95,7 @@ def head_diversity(
         for note in watch.setup():
             warnings.warn(note, UserWarning, stacklevel=2)
         step = MeasuredStep.start(watch, 0, image=False, on_error=_raise, progress=progress)
-        if inputs is not None and step.run(inputs, progress) == 0:
+        if inputs is not None and step.run(inputs, progress, call=_call_target(model, call)) == 0:
             raise ValueError("inputs held no batch")
         measurement = step.finish()
     if inputs is not None:
@@ -103,3 +108,14 @@ def head_diversity(
                 f"its token mask keeps real tokens). {said}".rstrip()
             )
     return measurement.report
+
+
+def _call_target(model: nn.Module, call: nn.Module | str | None) -> nn.Module | None:
+    if call is None or isinstance(call, nn.Module):
+        return call
+    if not isinstance(call, str):
+        raise TypeError(f"call must be a module, the name of a submodule or None, got {type(call).__name__}")
+    try:
+        return model.get_submodule(call)
+    except AttributeError as err:
+        raise ValueError(f"call={call!r}: {type(model).__name__} has no submodule of that name") from err

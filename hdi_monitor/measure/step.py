@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch import nn
 
 from hdi_monitor.functional._numerics import no_autocast
 from hdi_monitor.measure.accumulators import sync_accumulators
@@ -214,13 +215,14 @@ class MeasuredStep:
             on_call = partial(capture_side_forward, units[k], attach, batch, self._failed, dropped=self._is_dropped)
             self._handles += [intercept(units[k], on_call)]
 
-    def run(self, inputs: Any, progress: Progress | None = None) -> int:
+    def run(self, inputs: Any, progress: Progress | None = None, *, call: nn.Module | None = None) -> int:
         """Run ``inputs`` (a batch or an iterable of batches, see
         `hdi_monitor.models.hooks.iter_batches`) through the model for this step: eagerly (a
         compiled root's original module), in eval mode (each module's flag restored after), under
         no_grad, the capture attached for each batch. Returns the number of batches; ``progress``
-        is called with 1 after each."""
-        model = self.watch.eager_model()
+        is called with 1 after each; ``call``: the module to pass them to instead (a submodule that
+        holds the watched layers)."""
+        model = call if call is not None else self.watch.eager_model()
         seen = 0
         with torch.no_grad(), eval_mode(model):
             try:
