@@ -3,8 +3,8 @@
 `write_report` writes, into one folder:
 
 * ``overlap_<projection>_<NN>_<layer>.png``: the ``(heads, heads)`` subspace-overlap matrix of every
-  layer and projection (colour scale fixed to [0, 1], head indices on the edges; rendered by
-  `hdi_monitor.monitor.render.heatmap`, no figure per picture);
+  layer and projection (colour scale fixed to [0, 1], head indices on the edges, grey for invalid
+  heads; drawn by `hdi_monitor.monitor.render.heatmap` with the dashboards' colour tables, no figure);
 * ``correlation_<NN>_<layer>.png``: the head-output correlation matrix (scale [-1, 1]) when the
   report was made with inputs;
 * ``hdi_by_layer.png``: HDI per layer for every projection, with the chance level (random heads)
@@ -23,7 +23,7 @@ import datetime as _dt
 import functools
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from hdi_monitor.cli._common import no_link
-from hdi_monitor.monitor.render import colorbar_lut, heatmap
+from hdi_monitor.monitor.render import colorbar_lut, heatmap, layer_labels
 from hdi_monitor.report import ACTIVATIONS, DiversityReport
 
 __all__ = ["ReportFiles", "write_report", "save_png", "plot_hdi_by_layer", "figure_count", "layer_labels"]
@@ -92,29 +92,6 @@ def figure_count(report: DiversityReport) -> int:
         n += sum(_has_matrix(layer.overlap.get(p)) for p in report.projections)
         n += _has_matrix(layer.correlation)
     return n
-
-
-def layer_labels(names: Sequence[str]) -> tuple[list[str], str]:
-    """Short tick labels for layer names, and the pattern they fill in.
-
-    The longest common dotted prefix and suffix are cut: ``encoder.layer.0.attention``,
-    ``encoder.layer.1.attention`` give labels ``0``, ``1`` and pattern ``encoder.layer.*.attention``.
-    """
-    names = [n or "<root>" for n in names]
-    if len(names) < 2:
-        return names, ""
-    parts = [n.split(".") for n in names]
-    pre = 0
-    while all(len(p) > pre + 1 for p in parts) and len({p[pre] for p in parts}) == 1:
-        pre += 1
-    suf = 0
-    while all(len(p) > pre + suf + 1 for p in parts) and len({p[-1 - suf] for p in parts}) == 1:
-        suf += 1
-    labels = [".".join(p[pre : len(p) - suf]) for p in parts]
-    if len(set(labels)) != len(labels) or (pre == 0 and suf == 0):
-        return names, ""
-    pattern = ".".join([*parts[0][:pre], "*", *(parts[0][len(parts[0]) - suf :] if suf else [])])
-    return labels, pattern
 
 
 def plot_hdi_by_layer(report: DiversityReport, path: str | Path, *, title: str | None = None) -> Path:

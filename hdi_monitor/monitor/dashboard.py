@@ -98,10 +98,6 @@ def _check_count(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-def _short(name: str, limit: int = 30) -> str:
-    return name if len(name) <= limit else "..." + name[-(limit - 3) :]
-
-
 def _collapsed(title: str, charts: Mapping[str, str]) -> Category:
     """A Custom Scalars category, collapsed by default: one multiline chart per (title, regex)."""
     return {"title": title, "closed": True, "charts": [{"title": t, "multiline": [r]} for t, r in charts.items()]}
@@ -372,11 +368,13 @@ class Dashboard:
         return [n for n in names if n in chosen]
 
     def _tile_title(self, name: str, value: float | None, what: str, key: str) -> str:
+        """``<layer name>\n<what> <value> (<change since the last image step>)``: the renderer
+        shortens the names to what differs between the tiles."""
         if value is None:
-            return _short(name)
+            return name
         before = self._last_image_values.get(key, {}).get(name)
         change = f" ({value - before:+.2f})" if before is not None else ""
-        return f"{_short(name, 34)}\n{what} {value:.3f}{change}"
+        return f"{name}\n{what} {value:.3f}{change}"
 
     def _subset_note(self, picked: list[str], layers: Sequence[Any]) -> str:
         if len(picked) == len(layers):
