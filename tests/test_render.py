@@ -153,7 +153,7 @@ def test_every_picture_kind_is_a_png_of_its_matrix(run):
     )
     assert png == images[0, "overlap/query"]  # what the sink got is this drawing
     rgb = _pixels(png)
-    assert rgb.shape[1] >= 360  # wide enough to read in TensorBoard's card
+    assert rgb.shape[1] >= 400  # wide enough to read in TensorBoard's card
     shown = [t.split("\n")[0] for t in panel.titles]
     assert len(shown) == min(num_layers, 16) and all(names[k] in shown for k in planted)
     for k in planted:

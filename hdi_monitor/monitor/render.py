@@ -63,6 +63,8 @@ NAN_RGB = (128, 128, 128)
 _BORDER_RGB = (150, 150, 150)
 #: Text sizes in pixels: titles and labels, head indices.
 FONT_PX, SMALL_PX = 13, 11
+#: Narrowest picture in pixels (a map or a tiled image of few layers).
+MIN_WIDTH = 400
 #: zlib level of the PNGs: 1 is the fastest; flat blocks of colour compress well at any level.
 PNG_LEVEL = 1
 
@@ -134,9 +136,9 @@ def _blocks(cells: np.ndarray, cell_h: int, cell_w: int, row_gap: int = 0, col_g
     """``(n, m)`` canvas colours upscaled to ``cell_h x cell_w`` blocks (nearest neighbour), with
     ``row_gap`` / ``col_gap`` white pixels between rows / columns of cells."""
     n, m = cells.shape
-    out = np.full((n, cell_h + row_gap, m, cell_w + col_gap), _WHITE, dtype=np.uint16)
-    out[:, :cell_h, :, :cell_w] = cells[:, None, :, None]
-    out = out.reshape(n * (cell_h + row_gap), m * (cell_w + col_gap))
+    blocks = np.full((n, cell_h + row_gap, m, cell_w + col_gap), _WHITE, dtype=np.uint16)
+    blocks[:, :cell_h, :, :cell_w] = cells[:, None, :, None]
+    out = blocks.reshape(n * (cell_h + row_gap), m * (cell_w + col_gap))
     return out[: out.shape[0] - row_gap, : out.shape[1] - col_gap]
 
 
@@ -424,7 +426,7 @@ def diversity_map(
     bar_x = left + body_w + 16
     bar_labels = [("1", 0), (f"chance {chance:.3f}", 0.5), ("0", 1)]
     right = bar_x + 14 + 4 + max(_text_width(t) for t, _ in bar_labels) + 8
-    width = max(right, 360)
+    width = max(right, MIN_WIDTH)
     heading = _wrap(title, width - 16) + ([f"rows: {pattern}"] if pattern else [])
     top = 6 + line * len(heading) + 8
     bar_h = max(body_h, 120)
@@ -524,7 +526,7 @@ def tiled_heatmaps(
     caption_h = line * max(len(c) for c in captions)
     slot_h = caption_h + small + body + 2
     grid_w = ncols * slot_w + (ncols - 1) * col_gap
-    width = max(margin * 2 + grid_w, 360)
+    width = max(margin * 2 + grid_w, MIN_WIDTH)
     heading = _wrap(title, width - 2 * margin) + ([f"tiles: {pattern}"] if pattern else [])
     top = margin + line * len(heading) + 6
     legend_h = 12 + 10 + 2 + small + 2 + line + 4 + small + margin
