@@ -157,7 +157,7 @@ def main() -> None:
         f"`benchmarks/bench_overhead.py`: CharLM (4 layers, D = 256, 8 heads), batch {BATCH} x {MODEL['seq_len']}, "
         f"AdamW, {args.accelerator}"
         + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else "")
-        + f", CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads), "
+        + f", CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}), "
         f"torch {torch.__version__}; {args.rounds} interleaved rounds, medians. Load average {load_before:.1f} "
         f"at the start, {load_after:.1f} at the end.",
         "",
@@ -173,7 +173,9 @@ def main() -> None:
         f"With / without pictures: **{ratio:.2f}x** process CPU (goal <= 1.5x); {1000 * per_image:.0f} ms of CPU per "
         "image step (drawing 9 PNGs, the principal angles and their histograms, writing them).",
     ]
-    if not args.skip_fit:
+    if args.skip_fit:
+        lines += ["", "The whole `trainer.fit` was not timed in this run (`--skip-fit`)."]
+    else:
         bare_w = statistics.median(w for w, _ in fits["none"])
         bare_c = statistics.median(c for _, c in fits["none"])
         lines += [

@@ -237,7 +237,9 @@ def test_pictures_are_small_and_flat_in_size():
         matrices, titles=[f"l.{i}.a" for i in range(16)], vmin=0, vmax=1, cmap="viridis", title="t", colorbar_label="c"
     )
     assert len(png) < 40_000
-    big = diversity_map(torch.rand(80, 512), layers=[f"l.{i}" for i in range(80)], steps=range(512), chance=0.9, title="t")
+    big = diversity_map(
+        torch.rand(80, 512), layers=[f"l.{i}" for i in range(80)], steps=range(512), chance=0.9, title="t"
+    )
     assert len(big) < 120_000
 
 

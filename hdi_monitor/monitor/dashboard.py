@@ -374,7 +374,8 @@ class Dashboard:
             return name
         before = self._last_image_values.get(key, {}).get(name)
         change = f" ({value - before:+.2f})" if before is not None else ""
-        return f"{name}\n{what} {value:.3f}{change}"
+        digits = 2 if what == "H_eff" else 3  # an effective head count needs no third decimal
+        return f"{name}\n{what} {value:.{digits}f}{change}"
 
     def _subset_note(self, picked: list[str], layers: Sequence[Any]) -> str:
         if len(picked) == len(layers):

@@ -198,12 +198,13 @@ def _line_height(size: int) -> int:
     return int(_glyph(" ", size)[0].shape[0])
 
 
-def _fit(text: str, width: int, size: int = FONT_PX) -> str:
-    """``text``, cut from the left with '...' until it is at most ``width`` pixels wide."""
+def _fit(text: str, width: int, size: int = FONT_PX, *, keep_end: bool = True) -> str:
+    """``text`` cut with '...' until it is at most ``width`` pixels wide: from the left (``keep_end``:
+    a layer name's last parts tell it apart), else from the right."""
     if _text_width(text, size) <= width:
         return text
-    for start in range(1, len(text)):
-        short = "..." + text[start:]
+    for cut in range(1, len(text)):
+        short = "..." + text[cut:] if keep_end else text[: len(text) - cut] + "..."
         if _text_width(short, size) <= width:
             return short
     return "..."
@@ -411,6 +412,8 @@ def diversity_map(
         raise ValueError(f"values has shape {tuple(values.shape)}, expected ({len(layers)}, {len(steps)})")
     if not 0.0 < chance < 1.0:
         raise ValueError(f"chance must lie in (0, 1), got {chance}")
+    if not layers or not steps:
+        raise ValueError("a diversity map needs at least one layer and one measured step")
     n_rows, n_cols = values.shape
     col_w = min(96, max(1, 320 // max(n_cols, 1)))
     row_h = min(28, max(3, 320 // max(n_rows, 1)))
@@ -519,10 +522,12 @@ def tiled_heatmaps(
     names = [t.split("\n", 1)[0] for t in titles]
     notes = [t.split("\n", 1)[1].replace("\n", " ") if "\n" in t else "" for t in titles]
     labels, pattern = layer_labels(names)
-    captions = [[_fit(f"layer {lab}" if pattern else lab, slot_w + col_gap - 4)] for lab in labels]
+    captions = [[_fit(f"layer {lab}" if pattern else lab, slot_w + col_gap - 2)] for lab in labels]
     for caption, note in zip(captions, notes, strict=True):
+        if note and _text_width(note) > slot_w + col_gap - 2 and note.endswith(")") and " (" in note:
+            note = note[: note.rindex(" (")]  # the change since the last image step, when it does not fit
         if note:
-            caption.append(_fit(note, slot_w + col_gap - 4))
+            caption.append(_fit(note, slot_w + col_gap - 2, keep_end=False))
     caption_h = line * max(len(c) for c in captions)
     slot_h = caption_h + small + body + 2
     grid_w = ncols * slot_w + (ncols - 1) * col_gap
