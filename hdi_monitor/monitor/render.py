@@ -150,6 +150,7 @@ _FONT_LOCK = threading.Lock()
 
 @lru_cache(maxsize=8)
 def _font(size: int) -> Any:
+    """Pillow's default font at ``size`` px (a Pillow built without FreeType gives its 11 px bitmap font)."""
     from PIL import ImageFont
 
     return ImageFont.load_default(size=size)
@@ -162,7 +163,10 @@ def _glyph(char: str, size: int) -> tuple[np.ndarray, float]:
 
     with _FONT_LOCK:  # a FreeType face is not to be used by two threads at once
         font = _font(size)
-        ascent, descent = font.getmetrics()
+        if hasattr(font, "getmetrics"):  # FreeType
+            ascent, descent = font.getmetrics()
+        else:  # the bitmap font
+            ascent, descent = font.getbbox("Ag|")[3], 2
         advance = float(font.getlength(char))
         if char == " ":  # the default font's space is narrow (2 px at 11 px): widen it for legibility
             advance = max(advance, round(size / 3))
