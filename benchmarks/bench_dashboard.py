@@ -86,7 +86,7 @@ def main() -> int:
         "(layout, levels text) is left out.",
         "",
         "| layers | event-file bytes per measurement (no images) | measurement time | extra time per image step "
-        "(on the training step) | drawing the PNGs (on the background worker) | extra bytes per image step |",
+        "(on the training step) | drawing the 9 PNGs (on the background worker) | extra bytes per image step |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -99,8 +99,9 @@ def main() -> int:
         "An image step writes 2 x projections + 1 PNG images (here 9) whatever the depth: per projection a "
         "diversity map and a tiled overlap image (at most 16 layers), and one tiled correlation image, plus "
         "the principal-angle histograms (per layer up to 8 layers, else 8 groups). Steps that are not image "
-        "steps draw nothing; image steps only queue copies of a few small tensors, the PNGs are drawn on the "
-        "background worker. Times depend on the machine (and on what else runs on it); bytes do not.",
+        "steps draw nothing; image steps only queue copies of a few small tensors, the PNGs are encoded from "
+        "them on the background worker (no figure). Times depend on the machine (and on what else runs on "
+        "it); bytes do not.",
         "",
     ]
     OUT.parent.mkdir(parents=True, exist_ok=True)

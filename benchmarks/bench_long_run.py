@@ -279,8 +279,8 @@ def main() -> int:
         "The history keeps its newest half whole and halves the resolution of its older half when full, so the "
         "diversity map has at most the budget's columns and the PNG stays the same size. The image step's extra "
         "held time is the principal angles (from the weights already read for the HDI) and copying the few "
-        "small tensors the pictures need; matplotlib runs on the worker thread (which shares the interpreter: "
-        "on 2 cores it slows the training thread a little at every step, image step or not). Times depend on "
+        "small tensors the pictures need; the PNGs are encoded on the worker thread (straight from the tensors, "
+        "no figure; it shares the interpreter, so on 2 cores it slows the training thread a little). Times depend on "
         "the machine; bytes and sizes do not.",
         "",
     ]

@@ -5,6 +5,14 @@ and takes headless Chromium screenshots of the Custom Scalars, Images and Scalar
 
     PYTHONPATH=. python benchmarks/screenshots.py                 # the full demo, then screenshots
     PYTHONPATH=. python benchmarks/screenshots.py --logdir runs/demo/version_0
+    PYTHONPATH=. python benchmarks/screenshots.py --depths 4 80 --out /tmp/pictures
+
+``--depths`` takes the pictures at several depths instead: for each depth a synthetic run (the demo's
+`CharLM`, D = 64, 8 heads, random weights with planted structure: in every fifth layer query head 1
+drifts onto head 0, and one layer has a dead key head), 12 measured steps with images every 4th,
+then screenshots of its Images tab (``images_<depth>_<tag>.png``, TensorBoard's default card size)
+and of its HTML report (``report_<depth>.png``, from `hdi_monitor.cli.html.write_report`). For
+looking at the pictures before and after a change; nothing goes to docs/img.
 
 Needs the Debian package ``chromium`` (``apt-get install -y chromium``), TensorBoard and
 ``websocket-client`` (``pip install websocket-client``).
@@ -150,18 +158,106 @@ class _Browser:
         shutil.rmtree(self.profile, ignore_errors=True)
 
 
+#: Images-tab views of a ``--depths`` run: name -> URL fragment.
+DEPTH_TABS = {
+    "overlap_key": "#images&tagFilter=%5Eoverlap%2Fkey",
+    "correlation": "#images&tagFilter=%5Ecorrelation",
+    "diversity_map_query": "#images&tagFilter=%5Ediversity_map%2Fquery",
+}
+
+
+def _planted_run(depth: int, root: Path) -> tuple[Path, Path]:
+    """A synthetic run of ``depth`` layers with visible structure (see the module docstring): the
+    TensorBoard log folder and the HTML report's page."""
+    import torch
+    from torch.utils.tensorboard import SummaryWriter
+
+    from hdi_monitor import head_diversity
+    from hdi_monitor.cli.html import write_report
+    from hdi_monitor.contrib.demo import CharLM
+    from hdi_monitor.monitor.tracker import HDITracker
+
+    torch.manual_seed(0)
+    model = CharLM(d_model=64, num_heads=8, num_layers=depth, seq_len=32)
+    d = 64 // 8
+    layers = [layer.self_attn for layer in model.encoder.layers]
+    with torch.no_grad():
+        layers[depth // 2].in_proj_weight[64 + 3 * d : 64 + 4 * d] = 0.0  # a dead key head: NaN row and column
+    log_dir = root / f"tb_{depth}"
+    writer = SummaryWriter(str(log_dir))
+    tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=4, writer=writer, image_queue_size=8)
+    tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    for _ in range(12):
+        with torch.no_grad():  # query head 1 drifts onto head 0 in every fifth layer
+            for attn in layers[::5]:
+                w = attn.in_proj_weight
+                w[d : 2 * d] = 0.7 * w[d : 2 * d] + 0.3 * w[:d]
+        with tracker.capture(tokens):
+            model(tokens)
+        tracker.step()
+    tracker.close()
+    writer.close()
+    files = write_report(head_diversity(model, inputs=tokens), root / f"report_{depth}", title=f"{depth} layers")
+    return log_dir, files.html
+
+
+def depth_screenshots(depths: list[int], out: Path, chromium: str, *, width: int, wait_s: float) -> None:
+    """Screenshots of synthetic runs at each depth (see ``--depths``)."""
+    root = Path(tempfile.mkdtemp(prefix="hdi-depths-"))
+    try:
+        for depth in depths:
+            log_dir, page = _planted_run(depth, root)
+            height = 1400
+            shot = out / f"report_{depth}.png"
+            subprocess.run(
+                [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                 f"--window-size={width},{height}", f"--screenshot={shot}", page.as_uri()],
+                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120,
+            )  # fmt: skip
+            print(shot)
+            port = _free_port()
+            board = subprocess.Popen(
+                [sys.executable, "-m", "tensorboard.main", "--logdir", str(log_dir), "--port", str(port),
+                 "--host", "127.0.0.1", "--reload_interval", "0"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+            )  # fmt: skip
+            try:
+                base = f"http://127.0.0.1:{port}/"
+                _wait_for(base + "data/runs")
+                _wait_for_run(base)
+                browser = _Browser(chromium, width=width)
+                try:
+                    for name, fragment in DEPTH_TABS.items():
+                        browser.open(base + fragment, height=height, wait_s=wait_s)
+                        browser.screenshot(out / f"images_{depth}_{name}.png")
+                        print(out / f"images_{depth}_{name}.png")
+                finally:
+                    browser.close()
+            finally:
+                board.terminate()
+                board.wait(timeout=30)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--logdir", help="an existing run (default: run the demo into a temporary folder)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "img"), help="where the PNGs go (default: docs/img)")
     parser.add_argument("--width", type=int, default=1600)
     parser.add_argument("--wait-s", type=float, default=12.0, help="seconds to let each tab draw")
+    parser.add_argument("--depths", type=int, nargs="+", help="synthetic runs at these depths instead of the demo")
     args = parser.parse_args(argv)
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         print("chromium not found; apt-get install -y chromium", file=sys.stderr)
         return 2
+    if args.depths:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        depth_screenshots(args.depths, out, chromium, width=args.width, wait_s=args.wait_s)
+        return 0
     temporary = None
     logdir = args.logdir
     if logdir is None:

@@ -141,7 +141,7 @@ def test_the_pictures_queued_at_a_checkpoint_are_written_before_it():
     gate = threading.Event()
 
     def slow(job: ImageJob) -> dict[str, bytes]:
-        gate.wait(timeout=1.0)  # slow: the jobs are still queued when the checkpoint is taken
+        gate.wait(timeout=30.0)  # slow: the jobs are still queued when the checkpoint is taken
         return render_job(job)
 
     model = encoder()
@@ -152,6 +152,7 @@ def test_the_pictures_queued_at_a_checkpoint_are_written_before_it():
     for _ in range(3):  # image steps 0 and 2 queued
         _step(tracker, model)
     assert tracker.publisher.pending_pictures == [0, 2]  # still queued
+    threading.Timer(1.0, gate.set).start()  # the renderer gets going while the checkpoint waits
     state = tracker.state_dict()  # what a checkpoint saves; the process is killed right after
     assert {s for s, _, _ in sink.images} == {0, 2}
     assert state["last_step"] == 2

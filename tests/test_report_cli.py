@@ -169,7 +169,7 @@ def test_out_writes_heatmaps_plot_and_html(capsys, minilm, tmp_path):
         assert layer.name in html
     plot = Image.open(out_dir / "hdi_by_layer.png")
     assert plot.width >= 400 and plot.height >= 200
-    assert html.count("data:image/png;base64,") == 6 * 2 + 6 + 1
+    assert html.count("data:image/png;base64,") == 6 * 2 + 6 + 1 + 3  # and the overviews of key, value, correlation
     assert sum(f.stat().st_size for f in out_dir.iterdir()) < 500_000
 
 

@@ -8,11 +8,14 @@ import re
 from dataclasses import dataclass
 from html.parser import HTMLParser
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from hdi_monitor import head_diversity
 from hdi_monitor.cli.html import write_report
+from hdi_monitor.monitor.render import colour_table, tiled_heatmaps
 
 EVIL = "<script>alert('x')</script>&\"q\""
 
@@ -102,7 +105,7 @@ def test_layer_names_and_title_are_escaped(tmp_path):
     # the chance column is the analytic spectral level 1 - d / (D + d + 1)
     assert summary[6] == f"{1 - 4 / (16 + 4 + 1):.3f}"
     assert page.h3 == [f"0 · {EVIL}"]
-    assert page.images()[1]["alt"] == f"key overlap of {EVIL}"  # attributes escaped and read back intact
+    assert f"key overlap of {EVIL}" in [i["alt"] for i in page.images()]  # attributes escaped and read back intact
 
 
 @dataclass
@@ -143,7 +146,7 @@ def test_every_picture_on_the_page_is_a_written_png(tmp_path):
     files = write_report(report, tmp_path)
     page = Page(files.html.read_text())
     images = page.images()
-    assert len(images) == 1 + 3 * 3 + 3  # plot, 3 overlaps and 1 correlation per layer
+    assert len(images) == 1 + 4 + 3 * 3 + 3  # plot, 4 overviews, 3 overlaps and 1 correlation per layer
     shown = []
     for img in images:
         src = img["src"] or ""
@@ -153,8 +156,32 @@ def test_every_picture_on_the_page_is_a_written_png(tmp_path):
         shown.append(data)
     written = [p.read_bytes() for p in files.all() if p.suffix == ".png"]
     assert sorted(shown) == sorted(written) and len(written) == len(images)
-    # pictures appear layer by layer, in the order of the report, with their captions
-    alts = [img["alt"] for img in images[1:]]
+    # every layer at a glance first: one picture per projection and one of the correlations, whose
+    # tiles are the layers' matrices (cell colours: the colour table at the report's values)
+    overviews = [f"{p} overlap of every layer" for p in report.projections]
+    assert [img["alt"] for img in images[1:5]] == [*overviews, "head-output correlation of every layer"]
+    overview = np.asarray(Image.open(files.overview["key"]).convert("RGB"))
+    geometry: dict = {}
+    again = tiled_heatmaps(
+        [la.overlap["key"] for la in report.layers],
+        titles=[f"{la.name}\nHDI {la.hdi['key']:.3f}" for la in report.layers],
+        vmin=0.0,
+        vmax=1.0,
+        cmap="viridis",
+        title="key subspace overlap of head pairs, every layer",
+        colorbar_label="overlap (1: same subspace)",
+        max_columns=8,
+        geometry=geometry,
+    )
+    assert again == files.overview["key"].read_bytes()
+    viridis = colour_table("viridis")
+    for lay, tile in zip(report.layers, geometry["tiles"], strict=True):
+        for i, j in ((0, 0), (0, 1), (2, 3)):
+            x, y = tile["left"] + j * tile["pitch"], tile["top"] + i * tile["pitch"]
+            expected = viridis[int(np.rint(float(lay.overlap["key"][i, j]) * 255))]
+            assert tuple(overview[y, x]) == tuple(expected), (lay.name, i, j)
+    # then the pictures layer by layer, in the order of the report, with their captions
+    alts = [img["alt"] for img in images[5:]]
     expected = []
     for lay in report.layers:
         expected += [f"{p} overlap of {lay.name}" for p in report.projections]

@@ -3,10 +3,13 @@
 `write_report` writes, into one folder:
 
 * ``overlap_<projection>_<NN>_<layer>.png``: the ``(heads, heads)`` subspace-overlap matrix of every
-  layer and projection (colour scale fixed to [0, 1], head indices on the edges; rendered by
-  `hdi_monitor.monitor.render.heatmap`, no figure per picture);
+  layer and projection (colour scale fixed to [0, 1], head indices on the edges, grey for invalid
+  heads; drawn by `hdi_monitor.monitor.render.heatmap` with the dashboards' colour tables, no figure);
 * ``correlation_<NN>_<layer>.png``: the head-output correlation matrix (scale [-1, 1]) when the
   report was made with inputs;
+* ``overview_<projection>.png`` and ``overview_correlation.png``: every layer's matrix in one tiled
+  picture (`hdi_monitor.monitor.render.tiled_heatmaps`, the dashboards' own overlap and correlation
+  pictures, here with every layer), so that 80 layers read at a glance;
 * ``hdi_by_layer.png``: HDI per layer for every projection, with the chance level (random heads)
   and, where it is below 1, the frame-bound maximum (matplotlib, Agg canvas, no pyplot state);
 * ``index.html``: one page showing the table, the modules that were not measured (with
@@ -23,7 +26,7 @@ import datetime as _dt
 import functools
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -34,7 +37,7 @@ import torch
 from torch import Tensor
 
 from hdi_monitor.cli._common import no_link
-from hdi_monitor.monitor.render import colorbar_lut, heatmap
+from hdi_monitor.monitor.render import colorbar_lut, heatmap, layer_labels, tiled_heatmaps
 from hdi_monitor.report import ACTIVATIONS, DiversityReport
 
 __all__ = ["ReportFiles", "write_report", "save_png", "plot_hdi_by_layer", "figure_count", "layer_labels"]
@@ -43,6 +46,8 @@ Progress = Callable[[int], object]
 
 # Width range of one matrix picture on the page: the grid fits as many columns as the window allows.
 _CELL_MIN_PX, _CELL_MAX_PX = 170, 300
+# Tiles per row of an overview picture (about 950 px wide for 8 heads).
+_OVERVIEW_COLUMNS = 8
 
 
 @dataclass
@@ -54,16 +59,18 @@ class ReportFiles:
         plot: the HDI-by-layer plot.
         overlap: ``(layer name, projection) -> PNG`` of each overlap heatmap.
         correlation: ``layer name -> PNG`` of each head-output correlation heatmap.
+        overview: ``projection`` (or ``"correlation"``) ``-> PNG`` of every layer's matrix in one picture.
     """
 
     html: Path
     plot: Path
     overlap: dict[tuple[str, str], Path] = field(default_factory=dict)
     correlation: dict[str, Path] = field(default_factory=dict)
+    overview: dict[str, Path] = field(default_factory=dict)
 
     def all(self) -> list[Path]:
         """Every file, the page last."""
-        return [*self.overlap.values(), *self.correlation.values(), self.plot, self.html]
+        return [*self.overview.values(), *self.overlap.values(), *self.correlation.values(), self.plot, self.html]
 
 
 def save_png(image: Tensor, path: str | Path) -> Path:
@@ -91,30 +98,8 @@ def figure_count(report: DiversityReport) -> int:
     for layer in report.layers:
         n += sum(_has_matrix(layer.overlap.get(p)) for p in report.projections)
         n += _has_matrix(layer.correlation)
-    return n
-
-
-def layer_labels(names: Sequence[str]) -> tuple[list[str], str]:
-    """Short tick labels for layer names, and the pattern they fill in.
-
-    The longest common dotted prefix and suffix are cut: ``encoder.layer.0.attention``,
-    ``encoder.layer.1.attention`` give labels ``0``, ``1`` and pattern ``encoder.layer.*.attention``.
-    """
-    names = [n or "<root>" for n in names]
-    if len(names) < 2:
-        return names, ""
-    parts = [n.split(".") for n in names]
-    pre = 0
-    while all(len(p) > pre + 1 for p in parts) and len({p[pre] for p in parts}) == 1:
-        pre += 1
-    suf = 0
-    while all(len(p) > pre + suf + 1 for p in parts) and len({p[-1 - suf] for p in parts}) == 1:
-        suf += 1
-    labels = [".".join(p[pre : len(p) - suf]) for p in parts]
-    if len(set(labels)) != len(labels) or (pre == 0 and suf == 0):
-        return names, ""
-    pattern = ".".join([*parts[0][:pre], "*", *(parts[0][len(parts[0]) - suf :] if suf else [])])
-    return labels, pattern
+    n += sum(any(_has_matrix(la.overlap.get(p)) for la in report.layers) for p in report.projections)
+    return n + any(_has_matrix(la.correlation) for la in report.layers)  # the overviews
 
 
 def plot_hdi_by_layer(report: DiversityReport, path: str | Path, *, title: str | None = None) -> Path:
@@ -271,6 +256,53 @@ def _grid_rows(report: DiversityReport, files: ReportFiles) -> list[dict[str, An
     return rows
 
 
+def _overview_rows(files: ReportFiles) -> list[dict[str, str]]:
+    return [
+        {
+            "src": _data_uri(path),
+            "alt": "head-output correlation of every layer"
+            if key == "correlation"
+            else f"{key} overlap of every layer",
+        }
+        for key, path in files.overview.items()
+    ]
+
+
+def _write_overviews(report: DiversityReport, out: Path, files: ReportFiles, tick: Progress) -> None:
+    """One tiled picture per projection (and of the correlations) with every layer's matrix."""
+    for p in report.projections:
+        shown = [la for la in report.layers if _has_matrix(la.overlap.get(p))]
+        if shown:
+            png = tiled_heatmaps(
+                [la.overlap[p] for la in shown],
+                titles=[f"{la.name or '<root>'}\nHDI {_fmt(la.hdi.get(p))}" for la in shown],
+                vmin=0.0,
+                vmax=1.0,
+                cmap="viridis",
+                title=f"{p} subspace overlap of head pairs, every layer",
+                colorbar_label="overlap (1: same subspace)",
+                max_columns=_OVERVIEW_COLUMNS,
+            )
+            files.overview[p] = out / f"overview_{p}.png"
+            no_link(files.overview[p]).write_bytes(png)
+            tick(1)
+    shown = [la for la in report.layers if _has_matrix(la.correlation)]
+    if shown:
+        png = tiled_heatmaps(
+            [la.correlation for la in shown if la.correlation is not None],
+            titles=[f"{la.name or '<root>'}\nH_eff {_fmt(la.effective_heads, 2)}" for la in shown],
+            vmin=-1.0,
+            vmax=1.0,
+            cmap="RdBu_r",
+            title="head-output correlation, every layer",
+            colorbar_label="correlation",
+            max_columns=_OVERVIEW_COLUMNS,
+        )
+        files.overview["correlation"] = out / "overview_correlation.png"
+        no_link(files.overview["correlation"]).write_bytes(png)
+        tick(1)
+
+
 def _page(report: DiversityReport, files: ReportFiles, title: str, source: str | None) -> str:
     """Render the page template (autoescaped) for ``report`` and the pictures in ``files``."""
     skipped = getattr(report, "skipped", None)  # DiversityReport.skipped: modules found but not measured
@@ -290,6 +322,7 @@ def _page(report: DiversityReport, files: ReportFiles, title: str, source: str |
         overlap_gradient=_gradient("viridis"),
         correlation_gradient=_gradient("RdBu_r"),
         grid=_grid_rows(report, files),
+        overview=_overview_rows(files),
         cell_min_px=_CELL_MIN_PX,
         cell_max_px=_CELL_MAX_PX,
     )
@@ -337,6 +370,7 @@ def write_report(
             image = heatmap(lay.correlation, vmin=-1.0, vmax=1.0, cmap="RdBu_r")
             files.correlation[lay.name] = save_png(image, out / f"correlation_{stem}.png")
             tick(1)
+    _write_overviews(report, out, files, tick)
     plot_hdi_by_layer(report, files.plot, title=title if title != "Head diversity report" else None)
     tick(1)
     no_link(files.html).write_text(_page(report, files, title, source), encoding="utf-8")

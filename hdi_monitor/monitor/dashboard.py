@@ -5,9 +5,10 @@ The tracker measures; this module decides how the results are presented:
 * a Custom Scalars layout (`Dashboard.layout`): per projection one margin chart (the mean HDI over
   layers, its min-max band, and the chance level), the training loss beside it, the head-output
   summaries and the event counts; per-layer lines in categories that start collapsed;
-* summary scalars added to every measurement (`Dashboard.summary_scalars`): the min and max over
-  layers that the margin charts need, event counts that are 0 on measured steps without events,
-  and the frame bound only where it binds (below 1);
+* the summary scalars those charts read (the min and max over layers, event counts that are 0 on
+  measured steps without events, the frame bound only where it binds) are made with the record's
+  other scalars, by `hdi_monitor.monitor.tags.scalar_tags`, which keeps in ``Dashboard.unhealthy``
+  the layers whose invalid-head counts stay charted;
 * pictures on image steps (`Dashboard.image_job`, drawn off the training step by
   `hdi_monitor.monitor.render.render_job`): per projection a diversity map (HDI by layer and
   measured step, its columns the bounded history's) and one tiled overlap image, plus one tiled
@@ -32,11 +33,11 @@ from typing import Any, TypedDict
 import torch
 from torch import Tensor
 
-from hdi_monitor.events import DIVERSITY_EVENT_KINDS, KERNEL_EVENT_KINDS, DiversityEvent
+from hdi_monitor.config import DEFAULT_MAX_HISTOGRAM_LAYERS, DEFAULT_MAX_IMAGE_LAYERS
 from hdi_monitor.measure.measurement import Series
 from hdi_monitor.monitor.history import History
 from hdi_monitor.monitor.render import ImageJob, MapPanel, TilePanel
-from hdi_monitor.report import ACTIVATIONS, DiversityReport
+from hdi_monitor.report import DiversityReport
 
 __all__ = [
     "Dashboard",
@@ -44,8 +45,6 @@ __all__ = [
     "Category",
     "Chart",
     "LOSS_PATTERN",
-    "DEFAULT_MAX_IMAGE_LAYERS",
-    "DEFAULT_MAX_HISTOGRAM_LAYERS",
     "image_tags",
 ]
 
@@ -54,10 +53,6 @@ __all__ = [
 #: except validation, evaluation and test losses (``val_loss``, ``valid/loss``, ``eval/loss``,
 #: ``test_loss``): the chart is the training loss only.
 LOSS_PATTERN = r"^(?!(.*[/_.])?(val|valid|validation|eval|evaluation|test)[/_.])(.*[/_.])?loss([/_.].*)?$"
-#: Layers shown in a tiled overlap or correlation image; past it, the layers that moved most.
-DEFAULT_MAX_IMAGE_LAYERS = 16
-#: Layers with a principal-angle histogram of their own; past it, groups of adjacent layers.
-DEFAULT_MAX_HISTOGRAM_LAYERS = 8
 #: Scalar families summarised by a min and a max over layers (beside their ``/mean``).
 _SUMMARISED = ("effective_heads", "head_correlation")
 #: A layer name in a per-layer tag: anything but the ``mean``/``min``/``max`` summaries.
@@ -98,10 +93,6 @@ def _check_count(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-def _short(name: str, limit: int = 30) -> str:
-    return name if len(name) <= limit else "..." + name[-(limit - 3) :]
-
-
 def _collapsed(title: str, charts: Mapping[str, str]) -> Category:
     """A Custom Scalars category, collapsed by default: one multiline chart per (title, regex)."""
     return {"title": title, "closed": True, "charts": [{"title": t, "multiline": [r]} for t, r in charts.items()]}
@@ -138,7 +129,15 @@ class Dashboard:
         _check_count("max_histogram_layers", self.max_histogram_layers)
 
     # ------------------------------------------------------------------ layout
-    def layout(self, layer_names: Mapping[str, Sequence[str]], *, activations: bool, kernel: bool = False) -> Layout:
+    def layout(
+        self,
+        layer_names: Mapping[str, Sequence[str]],
+        *,
+        activations: bool,
+        kernel: bool = False,
+        bounds: bool = True,
+        updates: bool = False,
+    ) -> Layout:
         """The Custom Scalars layout.
 
         It names no layer and no layer count: TensorBoard merges the layouts of the runs in one log
@@ -152,6 +151,8 @@ class Dashboard:
             activations: add the head-output charts.
             kernel: add the kernel-statistics charts (attention entropy with its uniform level,
                 maximum attention logit).
+            bounds: add the logit-bound charts (largest over layers, per layer).
+            updates: add the update-entropy charts (mean over layers with its min-max band, per layer).
         """
         loss = f"^{re.escape(self.loss_tag)}$" if self.loss_tag is not None else LOSS_PATTERN
         main: list[Chart] = [{"title": "training loss", "multiline": [loss]}]
@@ -202,6 +203,24 @@ class Dashboard:
                 "maximum attention logit: per layer and max": r"^max_attention_logit/",
             }
             categories.append(_collapsed("Attention kernel (entropy, max logit)", charts))
+        if bounds or updates:
+            weights: list[Chart] = []
+            if bounds:
+                weights += [
+                    {"title": "logit bound: largest over layers", "multiline": [r"^logit_bound/max$"]},
+                    {"title": "logit bound per layer", "multiline": [f"^logit_bound/{_LAYER}$"]},
+                ]
+            if updates:
+                weights += [
+                    {
+                        "title": "update entropy (nats): mean over layers, min-max band",
+                        "margin": [("update_entropy/mean", "update_entropy/min", "update_entropy/max")],
+                    },
+                    {"title": "update entropy per layer", "multiline": [f"^update_entropy/{_LAYER}$"]},
+                ]
+            categories.append(
+                {"title": "Weight signals (logit bound, update entropy)", "closed": True, "charts": weights}
+            )
         health = {
             "invalid heads per projection (0 when healthy)": r"^invalid_heads/[a-z]+$",
             "invalid heads per layer (layers that had any)": r"^invalid_heads/[a-z]+/.+$",
@@ -226,54 +245,6 @@ class Dashboard:
             "for the spectral one only for flat spectra. `hdi_max/<projection>` is logged only where it is "
             "below 1."
         )
-
-    # ------------------------------------------------------------------ scalars
-    def summary_scalars(
-        self,
-        scalars: dict[str, float],
-        report: DiversityReport,
-        events: Sequence[DiversityEvent],
-        *,
-        projections: Sequence[str],
-        detecting: bool,
-        kernel: bool = False,
-    ) -> dict[str, float]:
-        """Complete a measurement's scalars in place (and return them): ``<family>/min`` and
-        ``/max`` over layers beside each ``/mean``, ``diversity_events/<kind>`` counts (0 on a
-        measured step without events when a detector runs; the kernel kinds only when ``kernel``:
-        the step has kernel statistics), and ``hdi_max/<projection>`` dropped
-        where the frame bound does not bind (1: the heads can all be orthogonal).
-
-        Invalid heads: ``invalid_heads/<projection>`` counts the dead or non-finite heads over all
-        layers on every measured step (0 when healthy). The per-layer counts
-        ``invalid_heads/<projection>/<layer>`` are kept only for layers that have had an invalid
-        head in this run (from the first such step on, 0 again once they recover), so a healthy
-        model adds one chart per projection to the Scalars tab, not one per layer."""
-        names = [la.name for la in report.layers]
-        families = [f"hdi/{p}" for p in projections] + list(_SUMMARISED)
-        for family in families:
-            values = [scalars[f"{family}/{n}"] for n in names if f"{family}/{n}" in scalars]
-            if values:
-                scalars[f"{family}/min"] = min(values)
-                scalars[f"{family}/max"] = max(values)
-        for p in [*projections, ACTIVATIONS]:  # ACTIVATIONS: heads dead in the head outputs
-            if scalars.get(f"hdi_max/{p}", 0.0) >= 1.0:
-                del scalars[f"hdi_max/{p}"]
-            prefix = f"invalid_heads/{p}/"
-            per_layer = {tag: v for tag, v in scalars.items() if tag.startswith(prefix)}
-            if per_layer:
-                scalars[f"invalid_heads/{p}"] = float(sum(per_layer.values()))
-            for tag, count in per_layer.items():
-                if count:
-                    self.unhealthy.add(tag)
-                elif tag not in self.unhealthy:
-                    del scalars[tag]
-        kinds = DIVERSITY_EVENT_KINDS + (KERNEL_EVENT_KINDS if kernel else ())
-        counts = dict.fromkeys(kinds, 0.0) if detecting else {}
-        for event in events:
-            counts[event.kind] = counts.get(event.kind, 0.0) + 1.0
-        scalars.update({f"diversity_events/{kind}": n for kind, n in counts.items()})
-        return scalars
 
     # ------------------------------------------------------------------ pictures
     def image_job(
@@ -372,11 +343,14 @@ class Dashboard:
         return [n for n in names if n in chosen]
 
     def _tile_title(self, name: str, value: float | None, what: str, key: str) -> str:
+        """``<layer name>\n<what> <value> (<change since the last image step>)``: the renderer
+        shortens the names to what differs between the tiles."""
         if value is None:
-            return _short(name)
+            return name
         before = self._last_image_values.get(key, {}).get(name)
         change = f" ({value - before:+.2f})" if before is not None else ""
-        return f"{_short(name, 34)}\n{what} {value:.3f}{change}"
+        digits = 2 if what == "H_eff" else 3  # an effective head count needs no third decimal
+        return f"{name}\n{what} {value:.{digits}f}{change}"
 
     def _subset_note(self, picked: list[str], layers: Sequence[Any]) -> str:
         if len(picked) == len(layers):

@@ -456,7 +456,13 @@ class Publisher:
             names: dict[str, list[str]] = {
                 p: [layer_tag(la.name) for la in m.report.layers if la.hdi.get(p) is not None] for p in projections
             }
-            layout = self.dashboard.layout(names, activations=activations, kernel=self.config.kernel_stats)
+            layout = self.dashboard.layout(
+                names,
+                activations=activations,
+                kernel=self.config.kernel_stats,
+                bounds=any(la.logit_bound is not None for la in m.report.layers),
+                updates=self.config.update_entropy,
+            )
             levels = self.dashboard.levels_text(m.report, projections)
             self.dashboard.layout_written = True
         first_error: Exception | None = None

@@ -1,29 +1,56 @@
-"""Render matrices as pictures: small RGB heatmaps (no figure per call) and dashboard figures.
+"""The dashboard pictures, encoded straight from the tensors: no figure, no matplotlib.
 
-A heatmap is an ``(3, height, width)`` uint8 tensor: every matrix cell is a ``cell x cell`` block
-coloured through a fixed colour scale (``vmin``/``vmax`` do not follow the data, so images from
-different steps compare), with head indices drawn in a 3x5 pixel font along the top and left edges.
-NaN cells (invalid heads) are grey. The work is a handful of tensor ops on the CPU; cost is about
-that of a few H x H copies, so it is cheap enough to run every time images are logged.
+Every picture is a grid of coloured cells with a few labels:
+
+* **Colour.** A value ``v`` on the fixed scale ``[vmin, vmax]`` is entry
+  ``round(255 * (v - vmin) / (vmax - vmin))`` (clipped to 0..255, ties to even) of a 256-entry uint8
+  colour table (`colour_table`: matplotlib's ``viridis`` for overlaps on [0, 1], ``RdBu_r`` for
+  correlations on [-1, 1]; kept as data in `hdi_monitor.monitor._colormaps`). The diversity map is
+  diverging around the chance level ``c`` (white): ``v <= c`` is entry ``round(127.5 * v / c)`` of
+  ``RdBu`` (red below chance), ``v > c`` entry ``round(127.5 + 127.5 * (v - c) / (1 - c))`` (blue
+  above it). The scale never follows the data, so pictures of different steps and runs compare.
+* **NaN** cells (an invalid head's row and column; a layer not measured at a step) are mid grey
+  `NAN_RGB`, a colour that neither table holds (every table entry is at least 80 apart from it in
+  RGB), and each picture's legend says so.
+* **Cells** are upscaled by whole pixels (nearest neighbour), with a 1-pixel white line between cells
+  when they are 6 pixels or more; tiles (one per layer) have a thin grey border.
+* **Labels** (title, layer, head indices, measured steps, colour bar and its scale) are pasted from
+  glyphs of Pillow's default font rendered once and cached, so a picture costs array copies and one
+  PNG encoding (Pillow, a palette PNG with exactly the colours used, fast zlib level): milliseconds
+  per image, not a matplotlib figure's hundreds (`benchmarks/bench_dashboard.py` measures it).
+
+Sizes: TensorBoard's Images tab fits an image to a card about 350 px wide and its Time Series tab to
+one about 460 x 215 px (larger images are scaled down; "Show actual image size" shows every pixel). A
+tiled image is about 450-500 px wide whatever the head count, with 11-13 px text: its cells stay
+distinct at the default card size, its text reads at actual size. The PNGs carry no data payload:
+what a picture shows is in the measurement record.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from hdi_monitor.monitor._colormaps import TABLES
+
 __all__ = [
-    "heatmap",
+    "NAN_RGB",
+    "colour_table",
+    "colour_indices",
     "colorbar_lut",
+    "heatmap",
     "diversity_map",
     "tiled_heatmaps",
+    "layer_labels",
     "ImageJob",
     "MapPanel",
     "TilePanel",
@@ -31,47 +58,281 @@ __all__ = [
     "Renderer",
 ]
 
-# 3x5 bitmaps for the digits 0-9, one row per string, '#' = ink.
-_DIGITS = (
-    ("###", "#.#", "#.#", "#.#", "###"),
-    (".#.", "##.", ".#.", ".#.", "###"),
-    ("###", "..#", "###", "#..", "###"),
-    ("###", "..#", "###", "..#", "###"),
-    ("#.#", "#.#", "###", "..#", "..#"),
-    ("###", "#..", "###", "..#", "###"),
-    ("###", "#..", "###", "#.#", "###"),
-    ("###", "..#", ".#.", ".#.", ".#."),
-    ("###", "#.#", "###", "#.#", "###"),
-    ("###", "#.#", "###", "..#", "###"),
-)
-_NAN_RGB = (128, 128, 128)
-_BACKGROUND = 255
+#: Colour of NaN cells (invalid heads, layers not measured at a step): mid grey, in no colour table.
+NAN_RGB = (128, 128, 128)
+_BORDER_RGB = (150, 150, 150)
+#: Text sizes in pixels: titles and labels, head indices.
+FONT_PX, SMALL_PX = 13, 11
+#: Narrowest picture in pixels (a map or a tiled image of few layers).
+MIN_WIDTH = 400
+#: zlib level of the PNGs: 1 is the fastest; flat blocks of colour compress well at any level.
+PNG_LEVEL = 1
+
+
+# ---------------------------------------------------------------- colour
 
 
 @lru_cache(maxsize=8)
-def colorbar_lut(cmap: str = "viridis", size: int = 256) -> Tensor:
-    """``(size, 3)`` uint8 lookup table of a matplotlib colour map (computed once per name)."""
-    import matplotlib
+def colour_table(name: str) -> np.ndarray:
+    """A ``(256, 3)`` uint8 colour table (read-only): ``"viridis"``, ``"RdBu"`` or ``"RdBu_r"``
+    (``RdBu`` reversed: red for high values)."""
+    base = name[:-2] if name.endswith("_r") else name
+    if base not in TABLES:
+        known = sorted([*TABLES, *(f"{n}_r" for n in TABLES)])
+        raise ValueError(f"unknown colour table {name!r}; known: {', '.join(known)}")
+    table = np.frombuffer(bytes.fromhex(TABLES[base]), dtype=np.uint8).reshape(256, 3)
+    table = table[::-1].copy() if base != name else table.copy()
+    table.setflags(write=False)
+    return table
 
-    colors = matplotlib.colormaps[cmap](torch.linspace(0, 1, size).numpy())[:, :3]
-    return torch.from_numpy((colors * 255).round()).to(torch.uint8)
+
+def colorbar_lut(cmap: str = "viridis") -> Tensor:
+    """`colour_table` as a ``(256, 3)`` uint8 tensor."""
+    return torch.from_numpy(colour_table(cmap).copy())
 
 
-@lru_cache(maxsize=1)
-def _glyphs() -> Tensor:
-    rows = [[[c == "#" for c in row] for row in digit] for digit in _DIGITS]
-    return torch.tensor(rows, dtype=torch.bool)  # (10, 5, 3)
+def colour_indices(values: Any, *, vmin: float, vmax: float, centre: float | None = None) -> np.ndarray:
+    """Table entries of ``values`` (int16, -1 where NaN) on the fixed scale ``[vmin, vmax]``.
+
+    Args:
+        values: numbers (a tensor or an array of any shape).
+        vmin, vmax: the scale; values outside it take the end colours.
+        centre: for a diverging table, the value that takes the middle of the table (127.5):
+            ``[vmin, centre]`` spans its lower half and ``[centre, vmax]`` its upper half.
+    """
+    if not vmax > vmin:
+        raise ValueError(f"vmax must exceed vmin, got vmin={vmin}, vmax={vmax}")
+    if centre is not None and not vmin < centre < vmax:
+        raise ValueError(f"centre must lie strictly between vmin and vmax, got {centre}")
+    x = values.detach().to("cpu", torch.float64).numpy() if isinstance(values, Tensor) else np.asarray(values, float)
+    with np.errstate(invalid="ignore"):
+        if centre is None:
+            t = (x - vmin) / (vmax - vmin)
+        else:
+            t = np.where(x <= centre, 0.5 * (x - vmin) / (centre - vmin), 0.5 + 0.5 * (x - centre) / (vmax - centre))
+    index = np.rint(np.clip(t, 0.0, 1.0) * 255.0)
+    return np.where(np.isnan(x), -1, np.nan_to_num(index)).astype(np.int16)
 
 
-def _label(number: int) -> Tensor:
-    """Bool ink mask ``(5, 4 * ndigits - 1)`` for a non-negative integer."""
-    glyphs = _glyphs()
-    parts = []
-    for i, ch in enumerate(str(number)):
-        if i:
-            parts.append(torch.zeros(5, 1, dtype=torch.bool))
-        parts.append(glyphs[int(ch)])
-    return torch.cat(parts, dim=1)
+# Canvas colours past the 256 table entries (see `_Canvas`).
+_WHITE, _NAN, _BORDER, _INK = 256, 257, 258, 259
+_INK_LEVELS = 7  # text anti-aliasing, quantised: _INK + k - 1 for k = 1..7 (7: black)
+_EXTRAS = np.array(
+    [(255, 255, 255), NAN_RGB, _BORDER_RGB]
+    + [(255 - round(255 * k / _INK_LEVELS),) * 3 for k in range(1, _INK_LEVELS + 1)],
+    dtype=np.uint8,
+)
+_BLACK = _INK + _INK_LEVELS - 1
+#: ink mask value (0..255) -> quantised level (0..7)
+_LEVEL = np.rint(np.arange(256) * _INK_LEVELS / 255).astype(np.uint16)
+
+
+def _cells(index: np.ndarray) -> np.ndarray:
+    """Canvas colours (uint16) of table entries: -1 (NaN) becomes `_NAN`."""
+    return np.where(index < 0, _NAN, index).astype(np.uint16)
+
+
+def _blocks(cells: np.ndarray, cell_h: int, cell_w: int, row_gap: int = 0, col_gap: int = 0) -> np.ndarray:
+    """``(n, m)`` canvas colours upscaled to ``cell_h x cell_w`` blocks (nearest neighbour), with
+    ``row_gap`` / ``col_gap`` white pixels between rows / columns of cells."""
+    n, m = cells.shape
+    blocks = np.full((n, cell_h + row_gap, m, cell_w + col_gap), _WHITE, dtype=np.uint16)
+    blocks[:, :cell_h, :, :cell_w] = cells[:, None, :, None]
+    out = blocks.reshape(n * (cell_h + row_gap), m * (cell_w + col_gap))
+    return out[: out.shape[0] - row_gap, : out.shape[1] - col_gap]
+
+
+# ---------------------------------------------------------------- text (cached glyphs)
+
+
+_FONT_LOCK = threading.Lock()
+
+
+@lru_cache(maxsize=8)
+def _font(size: int) -> Any:
+    """Pillow's default font at ``size`` px (a Pillow built without FreeType gives its 11 px bitmap font)."""
+    from PIL import ImageFont
+
+    return ImageFont.load_default(size=size)
+
+
+@lru_cache(maxsize=1024)
+def _glyph(char: str, size: int) -> tuple[np.ndarray, float]:
+    """Ink mask (uint8, 255 = ink) of one character drawn 1 px from the left, and its advance."""
+    from PIL import Image, ImageDraw
+
+    with _FONT_LOCK:  # a FreeType face is not to be used by two threads at once
+        font = _font(size)
+        if hasattr(font, "getmetrics"):  # FreeType
+            ascent, descent = font.getmetrics()
+        else:  # the bitmap font
+            ascent, descent = font.getbbox("Ag|")[3], 2
+        advance = float(font.getlength(char))
+        if char == " ":  # the default font's space is narrow (2 px at 11 px): widen it for legibility
+            advance = max(advance, round(size / 3))
+        picture = Image.new("L", (math.ceil(advance) + 3, ascent + descent), 0)
+        ImageDraw.Draw(picture).text((1, 0), char, font=font, fill=255)
+    mask = np.asarray(picture).copy()
+    mask.setflags(write=False)
+    return mask, advance
+
+
+@lru_cache(maxsize=4096)
+def _text(text: str, size: int) -> np.ndarray:
+    """Ink mask of a line of text (read-only), composed from cached glyphs (no kerning)."""
+    glyphs = [_glyph(c, size) for c in text]
+    height = glyphs[0][0].shape[0] if glyphs else _glyph(" ", size)[0].shape[0]
+    width = math.ceil(sum(a for _, a in glyphs)) + 3
+    ink = np.zeros((height, width), dtype=np.uint8)
+    x = 0.0
+    for mask, advance in glyphs:
+        left = round(x)
+        region = ink[:, left : left + mask.shape[1]]
+        np.maximum(region, mask[:, : region.shape[1]], out=region)
+        x += advance
+    ink.setflags(write=False)
+    return ink
+
+
+def _text_width(text: str, size: int = FONT_PX) -> int:
+    return int(_text(text, size).shape[1])
+
+
+def _line_height(size: int) -> int:
+    return int(_glyph(" ", size)[0].shape[0])
+
+
+def _fit(text: str, width: int, size: int = FONT_PX, *, keep_end: bool = True) -> str:
+    """``text`` cut with '...' until it is at most ``width`` pixels wide: from the left (``keep_end``:
+    a layer name's last parts tell it apart), else from the right."""
+    if _text_width(text, size) <= width:
+        return text
+    for cut in range(1, len(text)):
+        short = "..." + text[cut:] if keep_end else text[: len(text) - cut] + "..."
+        if _text_width(short, size) <= width:
+            return short
+    return "..."
+
+
+def _wrap(text: str, width: int, size: int = FONT_PX) -> list[str]:
+    """``text`` broken at spaces into lines at most ``width`` pixels wide (a longer word is cut)."""
+    lines: list[str] = []
+    for word in text.split(" "):
+        if lines and _text_width(f"{lines[-1]} {word}", size) <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(_fit(word, width, size))
+    return lines or [""]
+
+
+class _Canvas:
+    """A white canvas of colour numbers: 0..255 are entries of the picture's colour table, the rest
+    white, NaN grey, border grey and 7 levels of text ink. Text is drawn over white only.
+
+    `png` writes a palette PNG with exactly the colours used when they are at most 256 (the usual
+    case: about 60 colour-bar entries, the cells' entries and 10 others), else an RGB PNG; the
+    pixels are the same either way."""
+
+    def __init__(self, width: int, height: int, table: np.ndarray) -> None:
+        self.index = np.full((height, width), _WHITE, dtype=np.uint16)
+        self.colours = np.concatenate([table, _EXTRAS])
+
+    def paste(self, x: int, y: int, block: np.ndarray) -> None:
+        self.index[y : y + block.shape[0], x : x + block.shape[1]] = block
+
+    def box(self, x: int, y: int, width: int, height: int) -> None:
+        """A 1-pixel border around the ``width x height`` box whose top-left pixel is ``(x, y)``."""
+        self.index[y - 1, x - 1 : x + width + 1] = _BORDER
+        self.index[y + height, x - 1 : x + width + 1] = _BORDER
+        self.index[y - 1 : y + height + 1, x - 1] = _BORDER
+        self.index[y - 1 : y + height + 1, x + width] = _BORDER
+
+    def text(self, x: int, y: int, text: str, *, size: int = FONT_PX, align: str = "left", middle: bool = False) -> int:
+        """Draw ``text`` with its top (or, ``middle``, its centre) at ``y``; ``align`` says where ``x``
+        is: ``"left"``, ``"centre"`` or ``"right"``. Returns the text's width."""
+        ink = _text(text, size)
+        h, w = ink.shape
+        x0 = x - {"left": 0, "centre": w // 2, "right": w}[align]
+        y0 = y - h // 2 if middle else y
+        ys, xs = max(0, -y0), max(0, -x0)
+        region = self.index[y0 + ys : y0 + h, x0 + xs : x0 + w]
+        level = _LEVEL[ink[ys : ys + region.shape[0], xs : xs + region.shape[1]]]
+        np.copyto(region, _INK - 1 + level, where=level > 0)
+        return int(w)
+
+    def rgb(self) -> np.ndarray:
+        """``(height, width, 3)`` uint8 pixels."""
+        return self.colours[self.index]
+
+    def png(self) -> bytes:
+        from PIL import Image
+
+        used = np.flatnonzero(np.bincount(self.index.ravel(), minlength=len(self.colours)))
+        if len(used) <= 256:
+            number = np.zeros(len(self.colours), dtype=np.uint8)
+            number[used] = np.arange(len(used), dtype=np.uint8)
+            height, width = self.index.shape
+            picture = Image.frombytes("P", (width, height), number[self.index].tobytes())
+            picture.putpalette(self.colours[used].tobytes())
+        else:
+            picture = Image.fromarray(self.rgb(), "RGB")
+        buffer = io.BytesIO()
+        picture.save(buffer, format="PNG", compress_level=PNG_LEVEL)
+        return buffer.getvalue()
+
+
+def _tick_positions(count: int, *, slots: int) -> list[int]:
+    """About ``slots`` evenly spread indices of ``range(count)``: the first, and the last unless it crowds."""
+    if count <= slots:
+        return list(range(count))
+    step = math.ceil((count - 1) / max(slots - 1, 1))
+    picks = list(range(0, count, step))
+    if count - 1 - picks[-1] >= step / 2:  # the last index too, unless it would crowd its neighbour
+        picks.append(count - 1)
+    return picks
+
+
+def layer_labels(names: Sequence[str]) -> tuple[list[str], str]:
+    """Short labels for layer names, and the pattern they fill in.
+
+    The longest common dotted prefix and suffix are cut: ``encoder.layer.0.attention``,
+    ``encoder.layer.1.attention`` give labels ``0``, ``1`` and pattern ``encoder.layer.*.attention``.
+    """
+    names = [n or "<root>" for n in names]
+    if len(names) < 2:
+        return names, ""
+    parts = [n.split(".") for n in names]
+    pre = 0
+    while all(len(p) > pre + 1 for p in parts) and len({p[pre] for p in parts}) == 1:
+        pre += 1
+    suf = 0
+    while all(len(p) > pre + suf + 1 for p in parts) and len({p[-1 - suf] for p in parts}) == 1:
+        suf += 1
+    labels = [".".join(p[pre : len(p) - suf]) for p in parts]
+    if len(set(labels)) != len(labels) or (pre == 0 and suf == 0):
+        return names, ""
+    pattern = ".".join([*parts[0][:pre], "*", *(parts[0][len(parts[0]) - suf :] if suf else [])])
+    return labels, pattern
+
+
+def _bar(length: int) -> np.ndarray:
+    """A colour bar of ``length`` pixels, table entry 0 first: 64 bands of even steps through the
+    table (entries ``round(255 k / 63)``), so that the picture's colours fit one PNG palette."""
+    return np.rint(np.floor(np.linspace(0, 64, length, endpoint=False)) * 255 / 63).astype(np.uint16)
+
+
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+def _nan_legend(canvas: _Canvas, x: int, y: int, what: str) -> int:
+    """A grey swatch and ``grey: <what>`` at ``(x, y)``; returns the width used."""
+    size = SMALL_PX + 1
+    canvas.paste(x, y, np.full((size, size), _NAN, dtype=np.uint16))
+    return size + 4 + canvas.text(x + size + 4, y + size // 2, f"grey: {what}", size=SMALL_PX, middle=True)
+
+
+# ---------------------------------------------------------------- the pictures
 
 
 def heatmap(
@@ -81,92 +342,43 @@ def heatmap(
     vmax: float = 1.0,
     cmap: str = "viridis",
     cell: int | None = None,
+    geometry: dict[str, Any] | None = None,
 ) -> Tensor:
-    """Render an ``(n, m)`` matrix as an RGB heatmap with row/column indices.
+    """One ``(n, m)`` matrix as an RGB image with its row and column indices (the HTML report's pictures).
 
     Args:
-        matrix: 2-D real tensor (any device; copied to CPU float32).
-        vmin, vmax: the fixed colour scale; values are clipped to it.
-        cmap: a matplotlib colour map name (``"viridis"`` for overlaps in [0, 1], ``"RdBu_r"`` for
+        matrix: 2-D real tensor (any device; copied to the CPU).
+        vmin, vmax: the fixed colour scale (see the module docstring); values are clipped to it.
+        cmap: a `colour_table` name (``"viridis"`` for overlaps in [0, 1], ``"RdBu_r"`` for
             correlations in [-1, 1]).
-        cell: pixels per cell; default grows for small matrices so labels fit (at least 8).
+        cell: pixels per cell; default about 256 px for the whole matrix (at least 4 per cell).
+        geometry: if given, filled with ``left``, ``top`` (the first cell's top-left pixel) and
+            ``pitch`` (cell ``(i, j)`` starts at ``(left + j * pitch, top + i * pitch)``).
 
     Returns:
         ``(3, height, width)`` uint8 tensor (CHW, what ``SummaryWriter.add_image`` expects).
     """
     if not isinstance(matrix, Tensor) or matrix.ndim != 2:
         raise ValueError(f"matrix must be a 2-D tensor, got {getattr(matrix, 'shape', type(matrix))}")
-    if not vmax > vmin:
-        raise ValueError(f"vmax must exceed vmin, got vmin={vmin}, vmax={vmax}")
     n, m = matrix.shape
-    label_width = 4 * len(str(max(n, m) - 1)) - 1
     if cell is None:
-        cell = max(8, label_width + 2, 256 // max(n, m, 1))
-    x = matrix.detach().to("cpu", torch.float32)
-    lut = colorbar_lut(cmap)
-    scaled = ((x - vmin) / (vmax - vmin)).clamp(0, 1).nan_to_num(0.0)
-    idx = (scaled * (lut.shape[0] - 1)).round().long()
-    rgb = lut[idx]  # (n, m, 3)
-    rgb[torch.isnan(x)] = torch.tensor(_NAN_RGB, dtype=torch.uint8)
-    body = rgb.repeat_interleave(cell, 0).repeat_interleave(cell, 1)  # (n*cell, m*cell, 3)
-
-    margin = label_width + 3
-    canvas = torch.full((margin + n * cell, margin + m * cell, 3), _BACKGROUND, dtype=torch.uint8)
-    canvas[margin:, margin:] = body
-    for j in range(m):  # column indices along the top
-        ink = _label(j)
-        x0 = margin + j * cell + (cell - ink.shape[1]) // 2
-        y0 = (margin - 5) // 2
-        canvas[y0 : y0 + 5, x0 : x0 + ink.shape[1]][ink] = 0
-    for i in range(n):  # row indices along the left
-        ink = _label(i)
-        y0 = margin + i * cell + (cell - 5) // 2
-        x0 = margin - 2 - ink.shape[1]
-        canvas[y0 : y0 + 5, x0 : x0 + ink.shape[1]][ink] = 0
-    return canvas.permute(2, 0, 1).contiguous()
-
-
-# ---------------------------------------------------------------- dashboard figures (matplotlib, Agg)
-
-#: Text size of every dashboard figure, in pixels at the figures' 100 dpi (10 pt = 13.9 px).
-FONT_PT = 10.0
-_DPI = 100
-
-
-def _figure(width_in: float, height_in: float) -> Any:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width_in, height_in), dpi=_DPI)
-    fig.patch.set_facecolor("white")
-    return fig
-
-
-def _png(fig: Any) -> bytes:
-    """The figure as PNG bytes (Agg, no pyplot state), with no data payload: the bytes depend on
-    the picture only, so they do not grow with the run.
-
-    The picture is stored with a 256-colour palette: about 3.5 times smaller than RGBA for these
-    figures (measured: 29 KiB -> 8 KiB for a diversity map), and event files keep every image."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from PIL import Image
-
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    picture = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba()).convert("RGB")
-    buffer = io.BytesIO()
-    picture.quantize(256, method=Image.Quantize.FASTOCTREE).save(buffer, format="PNG", optimize=True)
-    return buffer.getvalue()
-
-
-def _tick_positions(count: int, *, slots: int) -> list[int]:
-    """About ``slots`` evenly spread indices of ``range(count)``: the first, and the last unless it crowds."""
-    if count <= slots:
-        return list(range(count))
-    step = math.ceil((count - 1) / (slots - 1))
-    picks = list(range(0, count, step))
-    if count - 1 - picks[-1] >= step / 2:  # the last index too, unless it would crowd its neighbour
-        picks.append(count - 1)
-    return picks
+        cell = max(4, 256 // max(n, m, 1))
+    gap = 1 if cell >= 6 else 0
+    body = _blocks(_cells(colour_indices(matrix, vmin=vmin, vmax=vmax)), cell, cell, gap, gap)
+    pitch = cell + gap
+    left = _text_width(str(max(n - 1, 0)), SMALL_PX) + 3
+    top = _line_height(SMALL_PX)
+    canvas = _Canvas(left + body.shape[1] + 2, top + body.shape[0] + 2, colour_table(cmap))
+    canvas.paste(left + 1, top + 1, body)
+    rows = _tick_positions(n, slots=max(2, n * pitch // (_line_height(SMALL_PX) + 2)))
+    cols = _tick_positions(m, slots=max(2, m * pitch // (_text_width(str(m - 1), SMALL_PX) + 4)))
+    for i in rows:
+        canvas.text(left - 2, top + 1 + i * pitch + cell // 2, str(i), size=SMALL_PX, align="right", middle=True)
+    for j in cols:
+        canvas.text(left + 1 + j * pitch + cell // 2, 0, str(j), size=SMALL_PX, align="centre")
+    if geometry is not None:
+        geometry.update(left=left + 1, top=top + 1, pitch=pitch, cell=cell)
+    return torch.from_numpy(canvas.rgb()).permute(2, 0, 1).contiguous()
 
 
 def diversity_map(
@@ -181,64 +393,79 @@ def diversity_map(
     """HDI by layer (rows) and measured step (columns) as a PNG, on the fixed scale [0, 1].
 
     The colour scale is diverging around the chance level (white): red below chance (heads more
-    alike than random ones), blue above it; it does not follow the data, so maps of different runs
-    and steps compare. Missing values (a layer not measured at a step) are grey. The PNG carries
-    no data payload (its values are the record's, see `hdi_monitor.measure.measurement`).
+    alike than random ones), blue above it (see the module docstring); it does not follow the data,
+    so maps of different runs and steps compare. Missing values (a layer not measured at a step)
+    are grey. Rows are labelled with the layers' short names (the common part is in the subtitle),
+    thinned at many layers; columns with measured steps, thinned too.
 
     Args:
         values: ``(layers, steps)`` HDI values, NaN where missing.
         layers: row names, top to bottom.
         steps: column steps, left to right.
-        chance: the chance level marked on the colour bar (white).
-        title: the figure title.
-        geometry: if given, filled with ``body_px``: the pixel box of the map body in the PNG
-            (left, top, right, bottom), for tools that read pixels back.
+        chance: the chance level (white), in (0, 1).
+        title: the picture's title.
+        geometry: if given, filled with ``body_px`` (left, top, right, bottom: the pixel box of the
+            map's cells) and ``pitch`` (column and row pitch in pixels; cell ``(i, j)`` starts at
+            ``(left + j * pitch[0], top + i * pitch[1])``) and ``cell`` (its width and height).
 
     Returns:
         PNG bytes.
     """
-    from matplotlib.colors import TwoSlopeNorm
-
     values = values.detach().to("cpu", torch.float64)
-    if values.shape != (len(layers), len(steps)):
+    if values.ndim != 2 or values.shape != (len(layers), len(steps)):
         raise ValueError(f"values has shape {tuple(values.shape)}, expected ({len(layers)}, {len(steps)})")
     if not 0.0 < chance < 1.0:
         raise ValueError(f"chance must lie in (0, 1), got {chance}")
+    if not layers or not steps:
+        raise ValueError("a diversity map needs at least one layer and one measured step")
     n_rows, n_cols = values.shape
-    label_chars = max((len(n) for n in layers), default=1)
-    left = min(0.09 * label_chars + 0.4, 3.2)  # inches for the row labels
-    row_in = max(0.16, min(0.4, 4.0 / max(n_rows, 1)))  # each row at least 16 px high
-    body_w = max(6.0, min(10.0, 0.12 * n_cols))
-    width, height = left + body_w + 1.3, 1.2 + row_in * n_rows
-    fig = _figure(width, height)
-    ax = fig.add_axes((left / width, 0.75 / height, body_w / width, row_in * n_rows / height))
-    cmap = matplotlib_cmap("RdBu").with_extremes(bad=tuple(c / 255 for c in _NAN_RGB))
-    norm = TwoSlopeNorm(vmin=0.0, vcenter=chance, vmax=1.0)
-    image = ax.imshow(values.numpy(), cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
-    rows = _tick_positions(n_rows, slots=max(2, int(row_in * n_rows * _DPI / 15)))
-    ax.set_yticks(rows, [layers[i] for i in rows], fontsize=FONT_PT)
-    cols = _tick_positions(n_cols, slots=max(2, int(body_w * 1.6)))
-    ax.set_xticks(cols, [str(steps[j]) for j in cols], fontsize=FONT_PT)
-    ax.set_xlabel("measured step", fontsize=FONT_PT)
-    ax.set_title(title, fontsize=FONT_PT + 1, loc="left")
-    bar = fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02, ticks=[0.0, chance, 1.0])
-    bar.ax.set_yticklabels(["0", f"chance {chance:.2f}", "1"], fontsize=FONT_PT)
-    bar.ax.axhline(chance, color="black", linewidth=1.0)
+    col_w = min(96, max(1, 320 // max(n_cols, 1)))
+    row_h = min(28, max(3, 320 // max(n_rows, 1)))
+    col_gap, row_gap = int(col_w >= 8), int(row_h >= 8)
+    cells = _cells(colour_indices(values, vmin=0.0, vmax=1.0, centre=chance))
+    body = _blocks(cells, row_h - row_gap, col_w - col_gap, row_gap, col_gap)
+    body_h, body_w = body.shape[:2]
+    line = _line_height(FONT_PX)
+    labels, pattern = layer_labels(list(layers))
+    shown_rows = _tick_positions(n_rows, slots=max(2, body_h // (line + 1)))
+    row_text = {i: _fit(labels[i], 160) for i in shown_rows}
+    left = 8 + max(_text_width(t) for t in row_text.values()) + 6
+    bar_x = left + body_w + 16
+    bar_labels = [("1", 0), (f"chance {chance:.3f}", 0.5), ("0", 1)]
+    right = bar_x + 14 + 4 + max(_text_width(t) for t, _ in bar_labels) + 8
+    width = max(right, MIN_WIDTH)
+    heading = _wrap(title, width - 16) + ([f"rows: {pattern}"] if pattern else [])
+    top = 6 + line * len(heading) + 8
+    bar_h = max(body_h, 120)
+    height = top + max(body_h, bar_h) + 6 + line + 2 + line + 6 + SMALL_PX + 8
+    canvas = _Canvas(width, height, colour_table("RdBu"))
+    for k, text in enumerate(heading):
+        canvas.text(8, 6 + k * line, text)
+    canvas.paste(left, top, body)
+    canvas.box(left, top, body_w, body_h)
+    pitch_x, pitch_y = col_w, row_h
+    for i, text in row_text.items():
+        canvas.text(left - 6, top + i * pitch_y + (row_h - row_gap) // 2, text, align="right", middle=True)
+    axis_y = top + body_h + 4
+    step_slots = max(2, body_w // max(_text_width(str(max(steps, default=0))) + 12, 1))
+    for j in _tick_positions(n_cols, slots=step_slots):
+        x = left + j * pitch_x + (col_w - col_gap) // 2
+        canvas.index[top + body_h + 1 : axis_y, x] = _BORDER
+        canvas.text(x, axis_y, str(steps[j]), align="centre")
+    canvas.text(left + body_w // 2, axis_y + line + 2, "measured step", align="centre")
+    # the colour bar: table entries 255 (top) to 0 (bottom), chance in the middle
+    canvas.paste(bar_x, top, np.repeat(_bar(bar_h)[::-1, None], 14, axis=1))
+    canvas.box(bar_x, top, 14, bar_h)
+    for text, where in bar_labels:
+        y = top + round(where * (bar_h - 1))
+        canvas.index[y, bar_x + 14 : bar_x + 18] = _BLACK
+        canvas.text(bar_x + 20, y, text, middle=True)
+    _nan_legend(canvas, 8, height - SMALL_PX - 8, "not measured at that step")
     if geometry is not None:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-        FigureCanvasAgg(fig).draw()  # lay out first, so that the body's pixel box is final
-        box = ax.get_window_extent()
-        height_px = fig.bbox.height
-        geometry["body_px"] = [box.x0, height_px - box.y1, box.x1, height_px - box.y0]
-    return _png(fig)
-
-
-def matplotlib_cmap(name: str) -> Any:
-    """A matplotlib colour map by name."""
-    import matplotlib
-
-    return matplotlib.colormaps[name]
+        geometry["body_px"] = [left, top, left + body_w, top + body_h]
+        geometry["pitch"] = (pitch_x, pitch_y)
+        geometry["cell"] = (col_w - col_gap, row_h - row_gap)
+    return canvas.png()
 
 
 def tiled_heatmaps(
@@ -251,21 +478,27 @@ def tiled_heatmaps(
     title: str,
     colorbar_label: str,
     max_columns: int = 4,
+    geometry: dict[str, Any] | None = None,
 ) -> bytes:
-    """Several square matrices (one per layer) in one PNG: a grid of tiles with a shared colour bar.
+    """Several matrices (one per layer) in one PNG: a grid of tiles with one colour bar.
 
-    Every tile has its own title and head indices along its edges; the colour scale is fixed
-    (``vmin``/``vmax`` do not follow the data), NaN cells (dead heads) are grey. Text is 10 pt
-    (14 px at the figure's 100 dpi) whatever the number of tiles.
+    Every tile has a caption (the first line of its title, the layer, shortened to what differs
+    between the layers, the common part in the subtitle; then the rest, e.g. its HDI) and head
+    indices along its edges; the colour scale is fixed (``vmin``/``vmax`` do not follow the data),
+    NaN cells (invalid heads) are grey. A tile's cells take about 80 px whatever the head count (at
+    least 2 px per head), so the image is about 450-500 px wide at 4 columns.
 
     Args:
         matrices: ``(H, H)`` matrices; sizes may differ between tiles.
-        titles: one title per tile (the layer name and its HDI, say).
+        titles: one title per tile: the layer name, then (after a newline) what to say about it.
         vmin, vmax: the colour scale.
-        cmap: a matplotlib colour map name.
-        title: the figure title.
-        colorbar_label: the colour bar's label.
+        cmap: a `colour_table` name.
+        title: the picture's title.
+        colorbar_label: what the colours mean (under the colour bar).
         max_columns: tiles per row.
+        geometry: if given, filled with ``tiles``: per tile, the pixel ``(left, top)`` of its first
+            cell, the cell ``pitch`` and ``cell`` size (cell ``(i, j)`` starts at
+            ``(left + j * pitch, top + i * pitch)``).
 
     Returns:
         PNG bytes.
@@ -274,42 +507,71 @@ def tiled_heatmaps(
         raise ValueError("tiled_heatmaps needs at least one matrix")
     if len(titles) != len(matrices):
         raise ValueError(f"{len(titles)} titles for {len(matrices)} matrices")
-    if not vmax > vmin:
-        raise ValueError(f"vmax must exceed vmin, got vmin={vmin}, vmax={vmax}")
+    if any(m.ndim != 2 for m in matrices):
+        raise ValueError("every matrix must be 2-D")
+    table = colour_table(cmap)
+    indices = [_cells(colour_indices(m, vmin=vmin, vmax=vmax)) for m in matrices]
+    heads = max(max(m.shape) for m in matrices)
+    cell = min(40, max(2, 80 // heads))
+    gap = int(cell >= 6)
+    pitch = cell + gap
+    body = heads * pitch - gap
+    line, small = _line_height(FONT_PX), _line_height(SMALL_PX)
+    index_w = _text_width(str(heads - 1), SMALL_PX) + 4
+    slot_w = max(index_w + body + 2, 96)
     n = len(matrices)
     ncols = min(max_columns, n)
     nrows = math.ceil(n / ncols)
-    tile = 2.6
-    width, height = ncols * tile + 1.2, nrows * (tile + 0.35) + 0.6
-    fig = _figure(width, height)
-    grid = fig.add_gridspec(
-        nrows,
-        ncols,
-        left=0.45 / width,
-        right=1 - 1.15 / width,
-        bottom=0.35 / height,
-        top=1 - 0.6 / height,
-        wspace=0.3,
-        hspace=0.45,
-    )
-    colours = matplotlib_cmap(cmap).with_extremes(bad=tuple(c / 255 for c in _NAN_RGB))
-    image = None
-    for k, (matrix, name) in enumerate(zip(matrices, titles, strict=True)):
-        ax = fig.add_subplot(grid[k // ncols, k % ncols])
-        m = matrix.detach().to("cpu", torch.float64).numpy()
-        image = ax.imshow(m, cmap=colours, vmin=vmin, vmax=vmax, interpolation="nearest")
-        h = m.shape[0]
-        ticks = _tick_positions(h, slots=8)
-        ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=FONT_PT)
-        ax.set_yticks(ticks, [str(t) for t in ticks], fontsize=FONT_PT)
-        ax.tick_params(length=2, pad=1)
-        ax.set_title(name, fontsize=FONT_PT)
-    fig.suptitle(title, fontsize=FONT_PT + 1, x=0.45 / width, ha="left")
-    bar_ax = fig.add_axes((1 - 0.95 / width, 0.35 / height, 0.18 / width, 1 - 1.1 / height))
-    bar = fig.colorbar(image, cax=bar_ax)
-    bar.ax.tick_params(labelsize=FONT_PT)
-    bar.set_label(colorbar_label, fontsize=FONT_PT)
-    return _png(fig)
+    col_gap, row_gap, margin = 12, 10, 8
+    names = [t.split("\n", 1)[0] for t in titles]
+    notes = [t.split("\n", 1)[1].replace("\n", " ") if "\n" in t else "" for t in titles]
+    labels, pattern = layer_labels(names)
+    captions = [[_fit(f"layer {lab}" if pattern else lab, slot_w + col_gap - 2)] for lab in labels]
+    for caption, note in zip(captions, notes, strict=True):
+        if note and _text_width(note) > slot_w + col_gap - 2 and note.endswith(")") and " (" in note:
+            note = note[: note.rindex(" (")]  # the change since the last image step, when it does not fit
+        if note:
+            caption.append(_fit(note, slot_w + col_gap - 2, keep_end=False))
+    caption_h = line * max(len(c) for c in captions)
+    slot_h = caption_h + small + body + 2
+    grid_w = ncols * slot_w + (ncols - 1) * col_gap
+    width = max(margin * 2 + grid_w, MIN_WIDTH)
+    heading = _wrap(title, width - 2 * margin) + ([f"tiles: {pattern}"] if pattern else [])
+    top = margin + line * len(heading) + 6
+    legend_h = 12 + 10 + 2 + small + 2 + line + 4 + small + margin
+    height = top + nrows * slot_h + (nrows - 1) * row_gap + legend_h
+    canvas = _Canvas(width, height, table)
+    for k, text in enumerate(heading):
+        canvas.text(margin, margin + k * line, text)
+    tiles = []
+    for k, (index, caption) in enumerate(zip(indices, captions, strict=True)):
+        x = margin + (k % ncols) * (slot_w + col_gap)
+        y = top + (k // ncols) * (slot_h + row_gap)
+        for j, text in enumerate(caption):
+            canvas.text(x, y + j * line, text)
+        rows, cols = index.shape
+        x0, y0 = x + index_w + 1, y + caption_h + small + 1
+        canvas.paste(x0, y0, _blocks(index, cell, cell, gap, gap))
+        canvas.box(x0, y0, cols * pitch - gap, rows * pitch - gap)
+        for i in _tick_positions(rows, slots=max(2, (rows * pitch) // (small + 1))):
+            canvas.text(x0 - 3, y0 + i * pitch + cell // 2, str(i), size=SMALL_PX, align="right", middle=True)
+        for j in _tick_positions(cols, slots=max(2, (cols * pitch) // (index_w - 1))):
+            canvas.text(x0 + j * pitch + cell // 2, y0 - 1 - small, str(j), size=SMALL_PX, align="centre")
+        tiles.append({"left": x0, "top": y0, "pitch": pitch, "cell": cell})
+    # the colour bar under the grid: every table entry, left to right, and the scale
+    bar_y = height - legend_h + 12
+    bar_w = min(256, width - 2 * margin - 40)
+    canvas.paste(margin + 20, bar_y, np.repeat(_bar(bar_w)[None], 10, axis=0))
+    canvas.box(margin + 20, bar_y, bar_w, 10)
+    for value, where in ((vmin, 0.0), ((vmin + vmax) / 2, 0.5), (vmax, 1.0)):
+        x = margin + 20 + round(where * (bar_w - 1))
+        canvas.index[bar_y + 11 : bar_y + 13, x] = _BLACK
+        canvas.text(x, bar_y + 13, _number(value), size=SMALL_PX, align="centre")
+    canvas.text(margin + 20, bar_y + 13 + small + 2, colorbar_label)
+    _nan_legend(canvas, margin + 20, bar_y + 13 + small + 2 + line + 4, "invalid head (all-zero or non-finite)")
+    if geometry is not None:
+        geometry["tiles"] = tiles
+    return canvas.png()
 
 
 # ---------------------------------------------------------------- image jobs (drawn off the training step)
@@ -374,7 +636,7 @@ Renderer = Callable[[ImageJob], Mapping[str, bytes]]
 
 
 def render_job(job: ImageJob) -> dict[str, bytes]:
-    """The PNG images of a job (matplotlib, Agg; thread-safe: no pyplot state)."""
+    """The PNG images of a job (array copies and Pillow's encoder; thread-safe, no matplotlib)."""
     images: dict[str, bytes] = {}
     for m in job.maps:
         images[m.tag] = diversity_map(m.values, layers=m.layers, steps=m.steps, chance=m.chance, title=m.title)
