@@ -16,8 +16,9 @@ from hdi_monitor.functional.diversity import Weighting
 from hdi_monitor.measure.step import MeasuredStep
 from hdi_monitor.measure.watch import ModelWatch
 from hdi_monitor.models import AttentionSpec
+from hdi_monitor.models.base import PROJECTIONS
 from hdi_monitor.models.sharding import is_fsdp1_module
-from hdi_monitor.report import PROJECTIONS, DiversityReport, Progress, Projection
+from hdi_monitor.report import DiversityReport, Progress, Projection
 
 __all__ = ["head_diversity"]
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hdi_monitor.monitor.history import History
 
-__all__ = ["check_state", "reconcile", "settings"]
+__all__ = ["check_state", "generator_state", "reconcile", "restore_generator", "settings"]
 
 #: Scalar tag prefixes that belong to one projection: ``<prefix>/<projection>...``.
 _PROJECTION_PREFIXES = ("hdi", "hdi_chance", "hdi_max", "invalid_heads")
@@ -124,3 +124,19 @@ def check_state(state: Any) -> Mapping[str, Any]:
         if len(raw) != size:
             raise ValueError(f"hdi-monitor state: 'generator' holds {len(raw)} bytes, a CPU generator state has {size}")
     return state
+
+
+def generator_state(generator: Any) -> str:
+    """A ``torch.Generator``'s state as a base64 string (JSON-ready, ``weights_only``-loadable)."""
+    import base64
+
+    return base64.b64encode(generator.get_state().numpy().tobytes()).decode("ascii")
+
+
+def restore_generator(generator: Any, state: str) -> None:
+    """Set ``generator`` to a state from `generator_state` (checked by `check_state`)."""
+    import base64
+
+    import torch
+
+    generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))

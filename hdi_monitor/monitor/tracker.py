@@ -24,26 +24,19 @@ Two ways to drive it:
 * **Explicit** (what the callbacks do): ``begin(step, batch)`` before the forward pass,
   ``stop_capture()`` before backward, ``finish()`` any time after backward.
 
-A measured step ``s`` reports the weights that produced step ``s``'s forward pass (read in
-``begin``, before the optimizer changes them) and the activations of that forward pass (the
-accumulators read ``W_O`` at capture time, so ``finish()`` may come before or after the optimizer
-step), so the HDI point at ``s`` sits beside the training loss of step ``s``. Nothing runs on
-other steps. Nothing is drawn on the training step: pictures are drawn by a background worker;
-`flush` and `close` wait for it, and `close` also draws the last measured step's pictures.
-
-Error policy: a failure inside monitoring never breaks training; it skips that measurement with
-one `MonitoringWarning` (``strict=True`` raises instead, for tests). Misconfiguration found before
-training (`setup`) raises.
+Step ``s`` reports the weights of step ``s``'s forward pass (read in ``begin``) and that pass's
+activations (``W_O`` read at capture, so ``finish()`` may follow the optimizer step): the HDI at
+``s`` sits beside the loss of ``s``. Nothing runs on other steps, nothing is drawn on the training
+step. Error policy: a failure inside monitoring skips that measurement with one
+`MonitoringWarning` (``strict=True`` raises, for tests); misconfiguration raises at `setup`.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from hdi_monitor.config import MonitorConfig
@@ -55,6 +48,19 @@ from hdi_monitor.monitor.publish import DetectorArg, KernelDetectorArg, Publishe
 from hdi_monitor.monitor.sinks import Sink
 
 __all__ = ["HDITracker", "Measurement", "MonitorConfig", "MonitoringWarning"]
+
+
+class _Via:
+    """An attribute of the tracker that lives on one of its parts (read and set there)."""
+
+    def __init__(self, part: str, name: str, doc: str) -> None:
+        self.part, self.name, self.__doc__ = part, name, doc
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        return self if obj is None else getattr(getattr(obj, self.part), self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(getattr(obj, self.part), self.name, value)
 
 
 class HDITracker:
@@ -126,66 +132,25 @@ class HDITracker:
         self._last_step = -1
         self._step = 0  # own step counter for step()/capture()
 
-    # ------------------------------------------------------------------ what it holds
-    model = property(lambda self: self.watch.model, doc="The watched model.")
-    generator = property(lambda self: self.watch.generator, doc="The monitor's own generator (token subsample).")
-    layers = property(lambda self: self.watch.layers, doc="The watched attention layers (found on first use).")
-    history = property(lambda self: self.publisher.history, doc="The bounded history of measured steps.")
-    events = property(lambda self: self.publisher.events, doc="The early-warning events (the last 1000).")
-    last_measurement = property(lambda self: self.publisher.last, doc="The last published `Measurement`.")
-    stop_requested = property(lambda self: self.publisher.stop_requested, doc='``on_saturation="stop"`` fired.')
-    detector = property(lambda self: self.publisher.detector, doc="The HDI detector (None: off).")
-    activation_detector = property(lambda self: self.publisher.activation_detector, doc="The head-output detector.")
-    kernel_detector = property(lambda self: self.publisher.kernel_detector, doc="The kernel-statistics detector.")
-    activations = property(lambda self: self.watch.activations, doc="Head outputs are captured.")
-    activations_off = property(lambda self: self.watch.activations_off, doc="Why head outputs are not captured.")
+    # ------------------------------------------------------------------ what it holds (on its parts)
+    model = _Via("watch", "model", "The watched model.")
+    generator = _Via("watch", "generator", "The monitor's own generator (the token subsample), saved with the state.")
+    layers = _Via("watch", "layers", "The watched attention layers (found on first use).")
+    activations = _Via("watch", "activations", "True if head outputs are captured.")
+    activations_off = _Via("watch", "activations_off", "Why head outputs cannot be captured (None: they can).")
+    fsdp_root = _Via("watch", "fsdp_root", "The FSDP1 root the weights are read through (the callbacks set it late).")
+    agree = _Via("watch", "agree", "``flag -> AND over the ranks`` run in `finish` (replace it to count it in tests).")
+    history = _Via("publisher", "history", "The bounded history of the measured steps.")
+    events = _Via("publisher", "events", "The early-warning events (the last 1000).")
+    last_measurement = _Via("publisher", "last", "The last published `Measurement`.")
+    stop_requested = _Via("publisher", "stop_requested", 'An event asked to stop (``on_saturation="stop"``).')
+    sinks = _Via("publisher", "sinks", "Where results go (a list; assign a new one to change them).")
+    renderer = _Via("publisher", "renderer", "Draws an image step's pictures on the background worker.")
+    dashboard = _Via("publisher", "dashboard", "Layout, kept summaries and pictures of this run.")
+    detector = _Via("publisher", "detector", "The detector of the HDI series (None: off).")
+    activation_detector = _Via("publisher", "activation_detector", "The detector of the head outputs (None: off).")
+    kernel_detector = _Via("publisher", "kernel_detector", "The detector of the kernel statistics (None: off).")
     current_step = property(lambda self: self._step, doc="The step counter used by `capture` and `step`.")
-
-    @property
-    def dashboard(self) -> Any:
-        """Layout, summary memory and pictures of this run (`hdi_monitor.monitor.dashboard.Dashboard`)."""
-        return self.publisher.dashboard
-
-    @dashboard.setter
-    def dashboard(self, dashboard: Any) -> None:
-        self.publisher.dashboard = dashboard
-
-    @property
-    def renderer(self) -> Renderer:
-        """Draws the pictures of an image step on the background worker (see ``renderer``)."""
-        return self.publisher.renderer
-
-    @renderer.setter
-    def renderer(self, renderer: Renderer) -> None:
-        self.publisher.renderer = renderer
-
-    @property
-    def sinks(self) -> list[Sink]:
-        """Where results go (the publisher's list; assign a new list to change them)."""
-        return self.publisher.sinks
-
-    @sinks.setter
-    def sinks(self, sinks: Sequence[Sink]) -> None:
-        self.publisher.sinks = list(sinks)
-
-    @property
-    def fsdp_root(self) -> nn.Module | None:
-        """The FSDP1 root module the weights are read through (settable: the callbacks learn it late)."""
-        return self.watch.fsdp_root
-
-    @fsdp_root.setter
-    def fsdp_root(self, root: nn.Module | None) -> None:
-        self.watch.fsdp_root = root
-
-    @property
-    def agree(self) -> Any:
-        """``flag -> AND over the ranks``, the collective a measured step runs in `finish` (default
-        ``hdi_monitor.measure.ranks.all_agree``); replace it to count or simulate it (tests)."""
-        return self.watch.agree
-
-    @agree.setter
-    def agree(self, fn: Any) -> None:
-        self.watch.agree = fn
 
     @property
     def last_token_counts(self) -> list[int]:
@@ -248,13 +213,7 @@ class HDITracker:
     def _failed(self, err: Exception) -> None:
         """A hook raised inside the forward pass: the step is dropped (the ranks agree in
         `finish`), the forward pass goes on; strict: raise into it."""
-        if self.config.strict:
-            raise err
-        warn(
-            f"hdi-monitor: error while capturing head outputs; training goes on, this measurement is skipped "
-            f"({type(err).__name__}: {err}). Pass strict=True to raise instead.",
-            MonitoringWarning,
-        )
+        self._skip(err, "capturing head outputs")
 
     def stop_capture(self) -> None:
         """Remove every hook (idempotent). Call before backward so recomputed forwards are not counted."""
@@ -311,14 +270,10 @@ class HDITracker:
         run them through the model (eagerly, in eval mode, under no_grad) for the head-output and
         kernel statistics. ``step`` defaults to the step counter, or the step after the last measured
         one when that is later (the series' steps keep increasing)."""
-        step = max(self._step, self._last_step + 1) if step is None else step
-        self._start(step)
-        current = self._current
-        if current is None:
-            return self.finish()
-        if inputs is None:
+        self._start(max(self._step, self._last_step + 1) if step is None else step)
+        if (current := self._current) is not None and inputs is None:
             current.forward_expected = False
-        else:
+        elif current is not None:
             with self._guard("running inputs through the model"):
                 current.run(inputs)
         return self.finish()
@@ -345,8 +300,6 @@ class HDITracker:
         except Exception as err:
             self.stop_capture()
             self._current = None
-            if self.config.strict:
-                raise
             self._skip(err, what)
 
     def _skip(self, err: Exception, what: str) -> None:
@@ -366,7 +319,7 @@ class HDITracker:
         weights_only=True)``)."""
         return {
             **self.publisher.state_dict(),
-            "generator": base64.b64encode(self.generator.get_state().numpy().tobytes()).decode("ascii"),
+            "generator": resume.generator_state(self.generator),
             "settings": resume.settings(self.config.every_n_steps, self.config.projections),
             "last_step": self._last_step,
             "step": self._step,
@@ -385,9 +338,7 @@ class HDITracker:
         changed = resume.reconcile(state.get("settings"), now, self.publisher.history)
         if changed:
             warn(changed, MonitoringWarning, rank_zero_only=True)
-        self._last_step = int(state.get("last_step", -1))
-        self._step = int(state.get("step", 0))
+        self._last_step, self._step = int(state.get("last_step", -1)), int(state.get("step", 0))
         self.watch.calls = {str(name): int(n) for name, n in (state.get("calls") or {}).items()}
         if state.get("generator") is not None:
-            raw = base64.b64decode(state["generator"])
-            self.generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+            resume.restore_generator(self.generator, state["generator"])
