@@ -27,13 +27,12 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from hdi_monitor.models.base import AdapterMismatch, KVMap
+from hdi_monitor.models.heads import get_path, positive_int
 from hdi_monitor.models.layout import (
     FUSED_NAMES,
     PACKINGS,
     Layout,
     Packing,
-    _get,
-    _positive_int,
     class_refusal,
     default_mask_key,
     fused_refusal,
@@ -129,11 +128,11 @@ def _cross(module: nn.Module) -> bool:
 
 
 def _has_n_head(module: nn.Module) -> bool:
-    return _positive_int(getattr(module, "n_head", None)) is not None
+    return positive_int(getattr(module, "n_head", None)) is not None
 
 
 def _has(path: str) -> Callable[[nn.Module], bool]:
-    return lambda m: isinstance(_get(m, path), nn.Linear)
+    return lambda m: isinstance(get_path(m, path), nn.Linear)
 
 
 def codegen_split(
@@ -190,7 +189,7 @@ _LLAMA_LIKE = _rotary(
 # fmt: off
 LAYOUTS: tuple[Layout, ...] = (
     Layout("timm_vit", "proj", qkv="qkv", packing="contiguous", classes=r"Attention|AttentionRope",
-           when=lambda m: _positive_int(getattr(m, "num_heads", None)) is not None, masked=False,
+           when=lambda m: positive_int(getattr(m, "num_heads", None)) is not None, masked=False,
            used_by="timm Attention / AttentionRope (ViT, DeiT, EVA, ...)"),
     Layout("timm_vit", "proj", "q_proj", "k_proj", "v_proj", classes=r"AttentionRope", masked=False,
            used_by="timm AttentionRope(qkv_fused=False)"),
