@@ -22,6 +22,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
+#: `run_demo`'s parameter -> the command-line option that gives it.
+_RUN_DEMO = {
+    "max_steps": "steps",
+    "every_n_steps": "every",
+    "log_images_every_n_steps": "images_every",
+    "d_model": "d_model",
+    "num_heads": "heads",
+    "num_layers": "layers",
+    "seed": "seed",
+}
+
+
 def run(args: argparse.Namespace) -> int:
     for name in ("steps", "every", "d_model", "heads", "layers"):
         if getattr(args, name) < 1:
@@ -30,17 +42,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads})")
     from hdi_monitor.contrib.demo import run_demo
 
-    log_dir = run_demo(
-        args.out,
-        max_steps=args.steps,
-        every_n_steps=args.every,
-        log_images_every_n_steps=args.images_every,
-        d_model=args.d_model,
-        num_heads=args.heads,
-        num_layers=args.layers,
-        seed=args.seed,
-        progress=not args.no_progress,
-    )
+    given = {parameter: getattr(args, option) for parameter, option in _RUN_DEMO.items()}
+    log_dir = run_demo(args.out, **given, progress=not args.no_progress)
     print(f"TensorBoard logs written to {log_dir}")
     print(
         f"Open the dashboards with:  tensorboard --logdir {args.out}   (Custom Scalars tab: one chart per projection)"

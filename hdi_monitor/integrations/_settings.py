@@ -17,9 +17,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from hdi_monitor.config import DEFAULTS, EventAction, MonitorConfig
+from hdi_monitor.events import DiversityEvent
 from hdi_monitor.functional.diversity import Weighting
+from hdi_monitor.measure.measurement import Measurement
 from hdi_monitor.models.spec import AttentionSpec
 from hdi_monitor.monitor.detector import DetectorArg, check_detector
+from hdi_monitor.monitor.history import History
+from hdi_monitor.monitor.tracker import HDITracker
 from hdi_monitor.report import Projection
 
 __all__ = ["MonitorSettings"]
@@ -34,61 +38,15 @@ class MonitorSettings:
     `HDITrainerCallback`).
 
     Args:
-        every_n_steps: measure at optimizer steps ``0, N, 2N, ...``; nothing runs in between.
-        projections: which of ``"query"``, ``"key"``, ``"value"``, ``"output"`` to measure (all
-            four by default).
-        weighting: ``"spectral"`` (default, no SVD) or ``"uniform"`` subspace overlap.
-        layers: keep only these attention layers: a regex searched in the qualified module names,
-            or a sequence of exact names. None watches every layer.
-        spec: an `AttentionSpec`, or a list of them, for layouts no built-in family knows; specs
-            combine with the built-in families (a spec wins where both match).
-        log_images_every_n_steps: overlap/correlation heatmaps and principal-angle histograms every
-            this many steps (default ``10 * every_n_steps``; 0 turns them off).
-        activations: also capture the measured step's head outputs (covariance, effective heads).
-        max_tokens: at most this many tokens per layer per measured step (a random subsample
-            drawn with the monitor's own generator), shared evenly between the layer's calls in
-            the step (micro-batches, a layer applied several times) as counted at the previous
-            measured step; None keeps every token.
-        on_saturation: ``"warn"`` (one `DiversityWarning` per measured step with events),
-            ``"stop"`` (warn, and stop training on saturation or collapse) or a callable that
-            receives each `DiversityEvent`.
-        strict: raise internal errors instead of turning them into warnings (for tests).
-        seed: seed of the monitor's own ``torch.Generator`` (the token subsample), an integer in
-            ``[0, 2**64 - 1]`` (what ``torch.Generator.manual_seed`` takes). The global
-            generators are never drawn from, so training is bit-identical with and without the
-            monitor; the generator state is saved with the monitor's state for resume.
-        loss_tag: the scalar tag of the training loss charted beside the HDI in the Custom
-            Scalars tab (e.g. ``"train_loss"``); None charts every tag whose last word is ``loss``,
-            except validation, evaluation and test losses (``val_loss``, ``eval/loss``).
-        max_image_layers: at most this many layers per tiled overlap/correlation image (with more,
-            the layers whose HDI moved most since the last image step).
-        max_histogram_layers: layers with a principal-angle histogram of their own; with more,
-            adjacent layers are grouped into this many histograms.
-        history_budget: measured steps kept in the history, the checkpoint and the diversity
-            map's columns (from 4 to 1,048,576): the newest half in full, older ones downsampled
-            (see `hdi_monitor.monitor.history.History`); memory stays flat however long the run.
-            It is preallocated: 8 bytes per series per kept step (6 series per layer, 8 with
-            ``kernel_stats``, up to 5 more for a layer with invalid heads, and about 35 for the
-            model), plus 16 bytes per kept step: 0.2 MiB for 4 layers at the default 512, 8 MiB
-            per series at the maximum.
-        image_queue_size: image steps waiting to be drawn on the background thread at most; an
-            image step that finds the queue full has its pictures dropped (noted in a warning),
-            so drawing never holds the training step.
-        kernel_stats: also measure each head's attention kernel on measured steps (opt-in): the
-            attention entropy (with its uniform level ``ln(n_keys)``) and the maximum attention
-            logit, from the queries and keys the attention kernel receives (at most ``max_tokens``
-            queries per kernel call); layers whose kernel cannot be reached are named.
-        update_entropy: also compute each head's update entropy (opt-in): the spectral entropy of
-            the first-order change of its query-key bilinear form between two consecutive measured
-            steps, from the weights; keeps a CPU copy of every watched layer's query and key weights
-            from one measured step to the next (their size in the weights' dtype).
+        (every `MonitorConfig` field, documented there; the text below is completed from it when
+            the module is imported, for ``help()`` and LightningCLI)
         detector: the early-warning detector of the HDI series (saturation, collapse, redundant
             pairs): a configured `SaturationDetector`, ``"default"`` (``SaturationDetector()``:
-            ``patience=10``, ``min_delta=0.002``, ``warmup_steps=1000``, ``collapse_delta=0.05``,
-            ``redundancy_threshold=0.9``) or None (no early warnings). Each new run gets an
+            ``patience=10``, ``min_delta=0.002``, a warm-up of 10 measurements,
+            ``collapse_delta=0.05``, ``redundancy_threshold=0.9``) or None (no early warnings). Each new run gets an
             untouched copy; the run's detector is the callback's ``tracker.detector``.
         activation_detector: the detector of the effective-heads series, in heads;
-            ``"default"`` takes ``detector``'s ``patience``, ``warmup_steps`` and
+            ``"default"`` takes ``detector``'s ``patience``, warm-up and
             ``redundancy_threshold`` with thresholds in heads
             (``hdi_monitor.monitor.detector.ACTIVATION_MIN_DELTA``, ``ACTIVATION_COLLAPSE_DELTA``),
             and is off when ``detector`` is None.
@@ -167,3 +125,41 @@ class MonitorSettings:
         if not isinstance(config, MonitorConfig):
             raise TypeError(f"config must be a MonitorConfig, got {type(config).__name__}")
         return cls(**config.to_dict(), **kwargs)
+
+    # ------------------------------------------------------------------ results (both callbacks)
+    tracker: HDITracker | None = None
+
+    def _restored_state_dict(self) -> dict[str, Any]:
+        """The tracker state restored from a checkpoint and not yet applied (the callback's own)."""
+        return {}
+
+    @property
+    def history(self) -> History:
+        """The measured steps' scalars, bounded (rows read ``{"step": s, "hdi/key/<layer>": ..., ...}``)."""
+        if self.tracker is not None:
+            return self.tracker.history
+        return History.from_state(self._restored_state_dict().get("history", []), self.config.history_budget)
+
+    @property
+    def events(self) -> list[DiversityEvent]:
+        """The early-warning events of the run so far (the last 1000; also in the Text tab)."""
+        return list(self.tracker.events) if self.tracker is not None else []
+
+    @property
+    def last_measurement(self) -> Measurement | None:
+        """The last published measurement of the run (None before the first)."""
+        return self.tracker.last_measurement if self.tracker is not None else None
+
+
+def _with_settings_doc(doc: str) -> str:
+    """``doc`` with the placeholder line of its Args section replaced by `MonitorConfig`'s own Args
+    entries: each setting is documented once, in the config."""
+    source = MonitorConfig.__doc__ or ""
+    start = source.index("    Args:\n") + len("    Args:\n")
+    end = source.index("\n\n", start)
+    first = doc.index("        (every `MonitorConfig` field")
+    last = doc.index("        detector: the early-warning detector")
+    return doc[:first] + source[start:end] + "\n" + doc[last:]
+
+
+MonitorSettings.__doc__ = _with_settings_doc(MonitorSettings.__doc__ or "")

@@ -87,13 +87,10 @@ from torch import nn
 
 from hdi_monitor._validation import check_bool
 from hdi_monitor.config import DEFAULTS
-from hdi_monitor.events import DiversityEvent
 from hdi_monitor.exceptions import MonitoringWarning
 from hdi_monitor.integrations._settings import MonitorSettings
 from hdi_monitor.measure.compiled import called_through, compiled_units
-from hdi_monitor.measure.measurement import Measurement
 from hdi_monitor.monitor._warnings import warn
-from hdi_monitor.monitor.history import History
 from hdi_monitor.monitor.tracker import HDITracker
 
 try:
@@ -131,17 +128,7 @@ def _trainer_tensorboard_writer(args: Any) -> Any:
     from transformers.integrations import TensorBoardCallback
     from transformers.trainer_callback import CallbackHandler
 
-    frame: FrameType | None = sys._getframe(1)
-    handler = None
-    for _ in range(8):  # on_train_begin <- call_event <- on_train_begin (handler) <- Trainer
-        if frame is None:
-            break
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, CallbackHandler):
-            handler = candidate
-            break
-        frame = frame.f_back
-    del frame
+    handler = _caller_self(CallbackHandler, depth=8)  # on_train_begin <- call_event <- handler <- Trainer
     if handler is None:
         return None
     board = next((cb for cb in handler.callbacks if isinstance(cb, TensorBoardCallback)), None)
@@ -156,6 +143,24 @@ def _trainer_tensorboard_writer(args: Any) -> Any:
     return board.tb_writer
 
 
+def _caller_self(cls: type, *, depth: int) -> Any:
+    """The ``self`` of the nearest caller (within ``depth`` frames above this function's caller)
+    that is a ``cls``: transformers hands callbacks no Trainer, so the integration finds the one
+    calling it on the stack."""
+    frame: FrameType | None = sys._getframe(2)
+    try:
+        for _ in range(depth):
+            if frame is None:
+                return None
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, cls):
+                return candidate
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
 def _trainer_compiled_wrapper(model: nn.Module) -> nn.Module | None:
     """The ``torch.compile`` wrapper the running Trainer calls ``model`` through
     (``trainer.model_wrapped``, made by accelerate's ``prepare`` under ``torch_compile=True``), or
@@ -166,17 +171,7 @@ def _trainer_compiled_wrapper(model: nn.Module) -> nn.Module | None:
     from torch._dynamo.eval_frame import OptimizedModule
     from transformers import Trainer
 
-    frame: FrameType | None = sys._getframe(1)
-    trainer = None
-    for _ in range(12):  # on_train_begin <- call_event <- handler.on_train_begin <- _inner_training_loop
-        if frame is None:
-            break
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer):
-            trainer = candidate
-            break
-        frame = frame.f_back
-    del frame
+    trainer = _caller_self(Trainer, depth=12)  # on_train_begin <- call_event <- handler <- _inner_training_loop
     wrapped = getattr(trainer, "model_wrapped", None)
     if isinstance(wrapped, OptimizedModule) and any(m is model for m in wrapped.modules()):
         return wrapped
@@ -301,21 +296,8 @@ class HDITrainerCallback(MonitorSettings, TrainerCallback, ExportableState):
         return {"args": args, "attributes": {"_restored_state": tracker_state}}
 
     # ------------------------------------------------------------------ results
-    @property
-    def history(self) -> History:
-        """The measured steps' scalars, bounded (rows read ``{"step": k, "hdi/key/<layer>": ..., ...}``)."""
-        if self.tracker is not None:
-            return self.tracker.history
-        return History.from_state((self._restored_state or {}).get("history", []), self.config.history_budget)
-
-    @property
-    def events(self) -> list[DiversityEvent]:
-        """The early-warning events of the run so far (the last 1000; also in the Text tab)."""
-        return list(self.tracker.events) if self.tracker is not None else []
-
-    @property
-    def last_measurement(self) -> Measurement | None:
-        return self.tracker.last_measurement if self.tracker is not None else None
+    def _restored_state_dict(self) -> dict[str, Any]:
+        return dict(self._restored_state or {})
 
     # ------------------------------------------------------------------ Trainer events
     def on_train_begin(

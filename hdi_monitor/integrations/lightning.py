@@ -26,10 +26,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from hdi_monitor.events import DiversityEvent
 from hdi_monitor.integrations._settings import MonitorSettings
 from hdi_monitor.integrations.loggers import sinks_for_loggers
-from hdi_monitor.measure.measurement import Measurement, Series
+from hdi_monitor.measure.measurement import Series
 from hdi_monitor.models.sharding import contains_fsdp1
 from hdi_monitor.monitor.history import History
 from hdi_monitor.monitor.tracker import HDITracker
@@ -114,21 +113,8 @@ class HDIMonitor(MonitorSettings, Callback):
         # back (and is told what changed); two monitors in one Trainer need a state_key each
         return self._generate_state_key()
 
-    @property
-    def history(self) -> History:
-        """The measured steps' scalars, bounded (rows read ``{"step": s, "hdi/key/<layer>": ..., ...}``)."""
-        if self.tracker is not None:
-            return self.tracker.history
-        return History.from_state((self._restored or {}).get("history", []), self.config.history_budget)
-
-    @property
-    def events(self) -> list[DiversityEvent]:
-        """The early-warning events of the run so far (the last 1000; also in the Text tab)."""
-        return list(self.tracker.events) if self.tracker is not None else []
-
-    @property
-    def last_measurement(self) -> Measurement | None:
-        return self.tracker.last_measurement if self.tracker is not None else None
+    def _restored_state_dict(self) -> dict[str, Any]:
+        return dict(self._restored or {})
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":

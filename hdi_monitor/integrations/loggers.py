@@ -26,7 +26,6 @@ from torch import Tensor
 
 from hdi_monitor.exceptions import MonitoringWarning
 from hdi_monitor.monitor._warnings import warn
-from hdi_monitor.monitor.dashboard import Layout
 from hdi_monitor.monitor.sinks import Image, LoggerSink, Sink, TensorBoardSink
 
 __all__ = ["CometSink", "MLflowSink", "WandbSink", "sink_for_logger", "sinks_for_loggers"]
@@ -46,25 +45,8 @@ def _pil(image: Image) -> Any:
     return PILImage.fromarray(array)
 
 
-class _MetricsSink:
-    """Scalars through the logger's ``log_metrics``; no Custom Scalars layout."""
-
-    def __init__(self, logger: Any) -> None:
-        if not callable(getattr(logger, "log_metrics", None)):
-            raise TypeError(f"logger must have a log_metrics(metrics, step) method, got {type(logger).__name__}")
-        self.logger = logger
-
-    def log_scalars(self, scalars: dict[str, float], step: int) -> None:
-        if scalars:
-            self.logger.log_metrics(dict(scalars), step=step)
-
-    def log_layout(self, layout: Layout) -> None:
-        pass  # TensorBoard's Custom Scalars only
-
-    def flush(self) -> None:
-        save = getattr(self.logger, "save", None)
-        if callable(save):
-            save()
+class _MetricsSink(LoggerSink):
+    """Scalars through the logger's ``log_metrics`` (`LoggerSink`); the subclasses add the pictures."""
 
 
 class WandbSink(_MetricsSink):

@@ -55,32 +55,27 @@ def _layer_text(layer: AttentionLayer) -> str:
     return f"{layer.name} ({layer.num_heads}/{layer.num_kv_heads} heads x {layer.head_dim}, D={layer.model_dim})"
 
 
-def fingerprint(
-    layers: Sequence[AttentionLayer],
-    *,
-    every_n_steps: int,
-    log_images_every_n_steps: int | None,
-    projections: Sequence[str],
-    weighting: str,
-    activations: bool,
-    max_tokens: int | None,
-    kernel_stats: bool = False,
-) -> dict[str, str]:
-    """The settings every rank must share, as readable text (one entry per name in `SETTINGS`).
+def fingerprint(layers: Sequence[AttentionLayer], config: Any = None, **settings: Any) -> dict[str, str]:
+    """The settings every rank must share, as readable text (one entry per name in `SETTINGS`):
+    read from ``config`` (a `hdi_monitor.config.MonitorConfig`, its image cadence filled in) or
+    given by name in ``settings``.
 
     Layers are named with their shapes (query heads / key-value heads, head width, model width), in
     the order the collectives visit them.
     """
+    if config is not None:
+        settings = {name: getattr(config, name) for name in SETTINGS[2:] if name != "log_images_every_n_steps"} | {
+            "log_images_every_n_steps": config.image_every_n_steps,
+            **settings,
+        }
+    text = {name: str(settings.get(name)) for name in SETTINGS[2:]}
+    text["projections"] = ",".join(settings["projections"])
+    for flag in ("activations", "kernel_stats"):
+        text[flag] = str(bool(settings.get(flag, False)))
     return {
         "number of layers": str(len(layers)),
         "layers (names and shapes)": "; ".join(_layer_text(la) for la in layers),
-        "every_n_steps": str(every_n_steps),
-        "log_images_every_n_steps": str(log_images_every_n_steps),
-        "projections": ",".join(projections),
-        "weighting": str(weighting),
-        "activations": str(bool(activations)),
-        "max_tokens": str(max_tokens),
-        "kernel_stats": str(bool(kernel_stats)),
+        **text,
     }
 
 

@@ -370,16 +370,28 @@ class MeasuredStep:
         return [None if la.name in off else res for la, res in zip(layers, results, strict=True)]
 
 
+#: Record field -> result field, for the head-output and the kernel statistics of a step.
+_OUTPUT_FIELDS = {
+    "covariance": "covariance",
+    "correlation": "correlation",
+    "effective_heads": "effective_heads",
+    "mean_correlation": "mean_correlation",
+    "variance_ratio": "variance_ratio",
+    "num_tokens": "num_tokens",
+}
+_KERNEL_FIELDS = {
+    "attention_entropy": "entropy",
+    "attention_entropy_uniform": "uniform_entropy",
+    "max_attention_logit": "max_logit",
+    "kernel_queries": "num_queries",
+}
+
+
 def _with_outputs(layer: LayerDiversity, result: Any) -> LayerDiversity:
     """A new record of ``layer`` with one step's head-output statistics."""
     return dataclasses.replace(
         layer,
-        covariance=result.covariance,
-        correlation=result.correlation,
-        effective_heads=float(result.effective_heads),
-        mean_correlation=float(result.mean_correlation),
-        variance_ratio=float(result.variance_ratio),
-        num_tokens=result.num_tokens,
+        **{f: getattr(result, r) for f, r in _OUTPUT_FIELDS.items()},
         invalid_heads={**layer.invalid_heads, ACTIVATIONS: list(result.invalid_heads)},
         nonfinite_heads=tuple(result.nonfinite_heads),
     )
@@ -387,10 +399,4 @@ def _with_outputs(layer: LayerDiversity, result: Any) -> LayerDiversity:
 
 def _with_kernel(layer: LayerDiversity, result: Any) -> LayerDiversity:
     """A new record of ``layer`` with one step's kernel statistics."""
-    return dataclasses.replace(
-        layer,
-        attention_entropy=result.entropy,
-        attention_entropy_uniform=result.uniform_entropy,
-        max_attention_logit=result.max_logit,
-        kernel_queries=result.num_queries,
-    )
+    return dataclasses.replace(layer, **{f: getattr(result, r) for f, r in _KERNEL_FIELDS.items()})

@@ -192,17 +192,7 @@ class ModelWatch:
         return self._data_parallel
 
     def _fingerprint(self, layers: list[AttentionLayer]) -> dict[str, str]:
-        c = self.config
-        return ranks.fingerprint(
-            layers,
-            every_n_steps=c.every_n_steps,
-            log_images_every_n_steps=c.image_every_n_steps,
-            projections=c.projections,
-            weighting=c.weighting,
-            activations=c.activations,
-            max_tokens=c.max_tokens,
-            kernel_stats=c.kernel_stats,
-        )
+        return ranks.fingerprint(layers, self.config)
 
     def _set_layers(self, layers: list[AttentionLayer]) -> list[str]:
         paths = {id(m): n for n, m in self.model.named_modules()}

@@ -26,7 +26,8 @@ from hdi_monitor.models.base import (
     registered_adapters,
 )
 from hdi_monitor.models.discovery import Discovery, discover_attention, find_attention_layers
-from hdi_monitor.models.layouts import LAYOUTS, Layout, layout_adapters
+from hdi_monitor.models.layout import Layout, layout_adapters
+from hdi_monitor.models.layouts import LAYOUTS
 from hdi_monitor.models.logits import LogitForm, LogitRule
 from hdi_monitor.models.spec import AttentionSpec
 from hdi_monitor.models.torch_mha import mha_head_outputs

@@ -26,44 +26,13 @@ from collections.abc import Callable
 from einops import rearrange
 from torch import Tensor, nn
 
-from hdi_monitor.models.base import AdapterMismatch, KVMap
+from hdi_monitor.models.base import AdapterMismatch
 from hdi_monitor.models.heads import get_path, positive_int
-from hdi_monitor.models.layout import (
-    FUSED_NAMES,
-    PACKINGS,
-    Layout,
-    Packing,
-    class_refusal,
-    default_mask_key,
-    fused_refusal,
-    is_vision_module,
-    layout_adapters,
-    resolve_heads,
-    split_fused,
-)
+from hdi_monitor.models.layout import Layout
 from hdi_monitor.models.logits import INVERSE_SQRT_D, LogitRule
 from hdi_monitor.models.weights import base_layer, is_conv1d
 
-# Reader names re-exported for code that imported them from here (the reader is models/layout.py).
-__all__ = [
-    "FUSED_NAMES",
-    "KVMap",
-    "LAYOUTS",
-    "Layout",
-    "NOT_ATTENTION",
-    "PACKINGS",
-    "Packing",
-    "REFUSED",
-    "REFUSED_PACKAGES",
-    "class_refusal",
-    "codegen_split",
-    "default_mask_key",
-    "fused_refusal",
-    "is_vision_module",
-    "layout_adapters",
-    "resolve_heads",
-    "split_fused",
-]
+__all__ = ["LAYOUTS", "NOT_ATTENTION", "REFUSED", "REFUSED_PACKAGES", "codegen_split"]
 
 
 #: Classes that look like a known layout but compute attention differently: refused with the reason.

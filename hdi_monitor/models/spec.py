@@ -12,8 +12,8 @@ from torch import Tensor, nn
 
 from hdi_monitor._validation import check_choice, check_instance, check_int, check_regex
 from hdi_monitor.models.base import AttentionLayer, KVMap, WeightSource
-from hdi_monitor.models.layout import DIM_ATTRS, HEADS_ATTRS
-from hdi_monitor.models.layouts import PACKINGS, Packing, default_mask_key, resolve_heads, split_fused
+from hdi_monitor.models.heads import resolve_heads
+from hdi_monitor.models.layout import DIM_ATTRS, HEADS_ATTRS, PACKINGS, Packing, default_mask_key, split_fused
 from hdi_monitor.models.logits import LogitRule, resolve_logit_form
 from hdi_monitor.models.weights import is_projection, linear_weight
 

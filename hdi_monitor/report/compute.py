@@ -190,18 +190,7 @@ def compute_report(
                 progress(len(idx))
         bound_groups = bounds.compute() if bounds is not None else []
     _collect(pending, fields, bound_groups)
-    results = [
-        LayerDiversity(
-            name=lay.name,
-            family=lay.family,
-            num_heads=lay.num_heads,
-            num_kv_heads=lay.num_kv_heads,
-            head_dim=lay.head_dim,
-            model_dim=lay.model_dim,
-            **f,
-        )
-        for lay, f in zip(layers, fields, strict=True)
-    ]
+    results = [LayerDiversity.of(lay, **f) for lay, f in zip(layers, fields, strict=True)]
     return DiversityReport(layers=results, projections=checked, weighting=weighting, skipped=list(skipped))
 
 

@@ -24,6 +24,8 @@ WeightTap = Callable[[str, list[int], Tensor], Any]
 
 #: The key of ``LayerDiversity.invalid_heads`` for the heads dead in the head outputs (activations).
 ACTIVATIONS = "activations"
+#: What a record copies from its attention layer.
+_IDENTITY = ("name", "family", "num_heads", "num_kv_heads", "head_dim", "model_dim")
 _ACTIVATION_FIELDS = ("effective_heads", "mean_correlation", "variance_ratio", "num_tokens")
 _KERNEL_FIELDS = ("attention_entropy", "attention_entropy_uniform", "max_attention_logit", "kernel_queries")
 
@@ -103,6 +105,12 @@ class LayerDiversity:
     logit_bound: Tensor | None = None
     logit_bound_rule: str | None = None
     update_entropy: Tensor | None = None
+
+    @classmethod
+    def of(cls, layer: Any, **fields: Any) -> LayerDiversity:
+        """The record of an `hdi_monitor.models.AttentionLayer` (its name, family and shapes) with
+        ``fields``."""
+        return cls(**{name: getattr(layer, name) for name in _IDENTITY}, **fields)
 
     # ------------------------------------------------------------------ kernel statistics (opt-in)
     @property
