@@ -95,7 +95,7 @@ class MonitorConfig:
         history_budget: measured steps kept in the history, the checkpoint and the diversity
             map's columns (from 4 to 1,048,576): the newest half in full, older ones downsampled
             (see `hdi_monitor.monitor.history.History`); memory stays flat however long the run.
-            It is preallocated: 8 bytes per series per kept step (6 series per layer, 8 with
+            It is preallocated: 8 bytes per series per kept step (7 series per layer, 9 with
             ``kernel_stats``, up to 5 more for a layer with invalid heads, and about 35 for the
             model), plus 16 bytes per kept step: 0.2 MiB for 4 layers at the default 512, 8 MiB
             per series at the maximum.

@@ -80,6 +80,7 @@ class Measurement:
         step: the optimizer step measured.
         report: per-layer results (`DiversityReport`).
         image_step: True if this step's pictures are drawn.
+        activations: True if head outputs were captured (their statistics, detector and charts).
         notes: what the measured step noticed and the user should hear once (a watched layer that
             changed, a hook that never fired, a layer with too few tokens, kernel statistics that
             could not be taken); said in the step's one `MonitoringWarning`.
@@ -95,6 +96,7 @@ class Measurement:
     step: int
     report: DiversityReport
     image_step: bool = False
+    activations: bool = False
     notes: tuple[str, ...] = ()
     token_counts: Mapping[str, int] = field(default_factory=dict)
     calls: Mapping[str, int] = field(default_factory=dict)

@@ -60,7 +60,9 @@ class MeasuredStep:
         step: the optimizer step measured.
         image: True if this step's pictures are drawn (principal angles are computed from the weights).
         forward_expected: False for a weights-only measurement (no forward pass runs).
-        dropped: True once a hook failed: the step is skipped (side forwards too).
+        dropped: True once something failed on this rank (the weight read, a hook): the step is
+            skipped (side forwards too), on every rank (they agree in `finish`).
+        error: what failed while reading the weights (handed to ``on_error`` already), or None.
         notes: what this step noticed so far (layers that changed).
     """
 
@@ -68,7 +70,7 @@ class MeasuredStep:
         self,
         watch: ModelWatch,
         step: int,
-        report: DiversityReport,
+        report: DiversityReport | None,
         *,
         image: bool,
         angle_work: list[AngleWork],
@@ -80,7 +82,8 @@ class MeasuredStep:
         self.image = image
         self.report = report
         self.forward_expected = True
-        self.dropped = False
+        self.dropped = report is None
+        self.error: Exception | None = None
         self.notes = notes
         self._angle_work = angle_work
         self._on_error = on_error
@@ -88,6 +91,11 @@ class MeasuredStep:
         self.counts = CallCounts()
         config, layers = watch.config, watch.layers
         self.accumulators: list[HeadCovarianceAccumulator | None] = [None] * len(layers)
+        self.kernel: KernelStatsCapture | None = None
+        self.kernel_accumulators: list[KernelStatsAccumulator] = []
+        self.kernel_off: dict[str, str] = {}  # layer -> why it is not captured
+        if report is None:
+            return  # a failed step: nothing to capture
         if watch.activations:
             self.accumulators = [
                 output_accumulator(
@@ -98,9 +106,6 @@ class MeasuredStep:
                 )
                 for la in layers
             ]
-        self.kernel: KernelStatsCapture | None = None
-        self.kernel_accumulators: list[KernelStatsAccumulator] = []
-        self.kernel_off: dict[str, str] = {}  # layer -> why it is not captured
         if config.kernel_stats:
             self._start_kernel()
 
@@ -127,9 +132,29 @@ class MeasuredStep:
             progress: called with the number of layers measured after each group of weights (see
                 `hdi_monitor.report.compute_report`).
 
-        Raises:
-            Exception: whatever reading the weights raised (the caller's error policy applies).
+        A failure to read the weights is handed to ``on_error`` as a `StepFailed` (the caller's
+        error policy: it may raise) and gives a dropped step, which still takes part in `finish` (the other ranks wait
+        there).
         """
+        try:
+            return cls._read(watch, step, image=image, on_error=on_error, angles=angles, progress=progress)
+        except Exception as err:  # noqa: BLE001 - this rank's step is dropped; the ranks agree in finish()
+            failed = cls(watch, step, None, image=image, angle_work=[], on_error=on_error, notes=[])
+            failed.error = err
+            on_error(StepFailed(err, "measuring weights"))
+            return failed
+
+    @classmethod
+    def _read(
+        cls,
+        watch: ModelWatch,
+        step: int,
+        *,
+        image: bool,
+        on_error: ErrorHandler,
+        angles: bool | None,
+        progress: Progress | None,
+    ) -> MeasuredStep:
         with no_autocast():
             layers, notes = watch.revalidate()
             work: list[AngleWork] = []
@@ -264,9 +289,11 @@ class MeasuredStep:
 
         Raises:
             StepFailed: this rank or another one failed (every rank raises it; ``error`` is this
-                rank's own exception, None when another rank failed).
+                rank's own exception not handed out yet, None when it was, or when another rank failed).
         """
         self.stop_capture()
+        if not self.watch.agree(not self.dropped) or self.report is None:
+            raise StepFailed(None, "measuring")  # a rank dropped it: every rank does, so none waits
         errors: list[Exception] = []
         with no_autocast():
             outputs = self._gather_outputs(errors) if self.watch.activations else None
@@ -289,6 +316,7 @@ class MeasuredStep:
             step=self.step,
             report=dataclasses.replace(self.report, layers=layers),
             image_step=self.image,
+            activations=self.watch.activations,
             notes=tuple(self.notes),
             token_counts=counts,
             calls=dict(self.watch.calls),

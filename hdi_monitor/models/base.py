@@ -31,6 +31,7 @@ from hdi_monitor._validation import check_choice, check_int
 from hdi_monitor.exceptions import AdapterMismatch
 from hdi_monitor.models._parametrize import parametrization_buffers, preserved_parametrizations
 from hdi_monitor.models.logits import LogitForm, QKNormGains
+from hdi_monitor.models.tensor_parallel import full_weight
 
 __all__ = [
     "PROJECTIONS",
@@ -44,7 +45,6 @@ __all__ = [
     "OutputHook",
     "WeightSource",
     "check_projection",
-    "full_weight",
     "linear_sources",
     "register_adapter",
     "registered_adapters",
@@ -115,18 +115,6 @@ class SkippedModule:
 def check_projection(projection: str) -> Projection:
     """Return ``projection`` if it is one of `PROJECTIONS`, else raise ValueError."""
     return check_choice("projection", projection, PROJECTIONS)
-
-
-def full_weight(t: Tensor) -> Tensor:
-    """Detach a parameter and gather it if it is a DTensor (FSDP2): ``.full_tensor()``.
-
-    Gathering is a collective: under FSDP2 every rank must read the same weights.
-    """
-    t = t.detach()
-    gather = getattr(t, "full_tensor", None)
-    if callable(gather):
-        t = gather()
-    return t
 
 
 def split_out_features(weight: Tensor, heads: int) -> Tensor:

@@ -399,7 +399,7 @@ def _gains(norm: nn.Module, kind: QKNormClass, heads: int, d: int, where: str) -
     """``(heads, d)`` gains of one norm (float32 at least, a copy) and the largest norm of one
     normalised head (``sqrt`` of the number of channels normalised together)."""
     from hdi_monitor.exceptions import AdapterMismatch
-    from hdi_monitor.models.base import full_weight
+    from hdi_monitor.models.tensor_parallel import full_weight
 
     g: Tensor
     if kind.over == "per_head":

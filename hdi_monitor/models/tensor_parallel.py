@@ -2,6 +2,7 @@
 
 What a sharded layer's parameters say about its heads, with no model-family knowledge:
 
+* `full_weight`: a parameter detached, gathered whole if it is a DTensor (FSDP2, TP).
 * `logical_shape`: a parameter's full shape (a DTensor's ``shape`` is already global; a ZeRO-3
   parameter is ``[0]`` outside the forward pass and keeps its full shape in ``ds_shape``).
 * `tensor_parallel_of`: the tensor-parallel (TP) split of a module's DTensor parameters, or None.
@@ -43,6 +44,7 @@ __all__ = [
     "TensorParallel",
     "check_same_layers",
     "data_parallel_group",
+    "full_weight",
     "fused_tp_refusal",
     "gather_heads",
     "local_share",
@@ -92,6 +94,18 @@ def is_zero3_param(t: object) -> bool:
 def zero3_params(module: nn.Module) -> list[nn.Parameter]:
     """The ZeRO-3 partitioned parameters of ``module`` and its descendants, in registration order."""
     return [p for p in module.parameters() if is_zero3_param(p)]
+
+
+def full_weight(t: Tensor) -> Tensor:
+    """Detach a parameter and gather it if it is a DTensor (FSDP2): ``.full_tensor()``.
+
+    Gathering is a collective: under FSDP2 every rank must read the same weights.
+    """
+    t = t.detach()
+    gather = getattr(t, "full_tensor", None)
+    if callable(gather):
+        t = gather()
+    return t
 
 
 def logical_shape(t: Tensor) -> torch.Size:

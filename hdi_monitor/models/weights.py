@@ -23,8 +23,8 @@ from typing import Any, TypeGuard
 import torch
 from torch import Tensor, nn
 
-from hdi_monitor.models.base import AdapterMismatch, full_weight
-from hdi_monitor.models.tensor_parallel import logical_shape
+from hdi_monitor.exceptions import AdapterMismatch
+from hdi_monitor.models.tensor_parallel import full_weight, logical_shape
 
 __all__ = ["base_layer", "in_features", "is_conv1d", "is_lora", "is_projection", "linear_weight", "out_features"]
 

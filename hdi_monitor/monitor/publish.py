@@ -244,18 +244,18 @@ class Publisher:
         return self._worker.pending
 
     # ------------------------------------------------------------------ the record
-    def publish(self, m: Measurement, *, activations: bool, notes: Sequence[str] = ()) -> Measurement:
+    def publish(self, m: Measurement, *, notes: Sequence[str] = ()) -> Measurement:
         """Publish one measured step (see the module docstring); returns the published record.
 
         Args:
-            m: the measured step's record.
-            activations: head outputs were measured (their detector and charts are on).
+            m: the measured step's record (``m.activations``: head outputs were measured, so their
+                detector and charts are on).
             notes: more to say in the step's one warning (the tracker's own).
 
         Raises:
             Exception: with ``strict``, the first failure of a sink or of the picture worker.
         """
-        config = self.config
+        config, activations = self.config, m.activations
         events = feed_report(
             self.detector,
             self.activation_detector if activations else None,
@@ -403,7 +403,7 @@ class Publisher:
             return [str(lost)]
         return []
 
-    def finish_run(self, *, activations: bool) -> None:
+    def finish_run(self) -> None:
         """End of a run: queue the pictures of the last measured step (never dropped) if it was not
         an image step (no angle histograms: they need that step's weights), then wait for the
         worker and stop it."""
@@ -411,7 +411,7 @@ class Publisher:
         notes: list[str] = []
         if last is not None and self.imaged_step != last.step and self.config.image_every_n_steps and self.sinks:
             notes += self._drain()  # room in the queue: the last pictures are not dropped
-            notes += self._queue_pictures(last, activations=activations, angles=False)
+            notes += self._queue_pictures(last, activations=last.activations, angles=False)
         try:
             self._worker.close(self.wait_timeout)
         except Stuck as lost:

@@ -196,7 +196,7 @@ class HDITracker:
             return False
         with self._guard("capturing head outputs"):
             current.attach(batch)
-        return self._current is not None
+        return not current.dropped
 
     def _start(self, step: int) -> None:
         self.stop_capture()
@@ -205,15 +205,16 @@ class HDITracker:
             self.setup()  # a model the monitor cannot watch fails here, before its first step
         every = self._image_every
         image = bool(every) and step % every == 0
-        with self._guard("measuring weights"):
-            self._current = MeasuredStep.start(
-                self.watch, step, image=image, angles=image and bool(self.sinks), on_error=self._failed
-            )
+        angles = image and bool(self.sinks)
+        self._current = MeasuredStep.start(self.watch, step, image=image, angles=angles, on_error=self._failed)
 
     def _failed(self, err: Exception) -> None:
-        """A hook raised inside the forward pass: the step is dropped (the ranks agree in
-        `finish`), the forward pass goes on; strict: raise into it."""
-        self._skip(err, "capturing head outputs")
+        """The weight read (a `StepFailed`) or a hook inside the forward pass failed: the step is
+        dropped (the ranks agree in `finish`), training goes on; strict: raise."""
+        if isinstance(err, StepFailed) and err.error is not None:
+            self._skip(err.error, err.what)
+        else:
+            self._skip(err, "capturing head outputs")
 
     def stop_capture(self) -> None:
         """Remove every hook (idempotent). Call before backward so recomputed forwards are not counted."""
@@ -223,14 +224,9 @@ class HDITracker:
     def finish(self) -> Measurement | None:
         """Finish the measurement under way: collectives, record, warnings, sinks. None if nothing
         was measured. Under ``torch.distributed`` a collective: call it on every rank at the same steps."""
-        if not self.measuring:
-            return None  # not a measured step: no collective, no host sync
         current, self._current, self._scheduled = self._current, None, None
-        if current is not None:
-            current.stop_capture()
-        ok = current is not None and not current.dropped
-        if not self.watch.agree(ok) or current is None or not ok:
-            return None  # some rank failed earlier: every rank drops it, so none waits in a collective
+        if current is None:
+            return None  # not a measured step: no collective, no host sync
         try:
             measurement = current.finish()
         except StepFailed as failed:
@@ -239,7 +235,7 @@ class HDITracker:
             return None
         self._last_step = max(self._last_step, measurement.step)
         with self._guard("writing the measurement"):
-            return self.publisher.publish(measurement, activations=self.watch.activations)
+            return self.publisher.publish(measurement)
         return None
 
     @contextlib.contextmanager
@@ -290,7 +286,7 @@ class HDITracker:
         self.stop_capture()
         self._current = self._scheduled = None
         with self._guard("drawing the last measured step"):
-            self.publisher.finish_run(activations=self.watch.activations)
+            self.publisher.finish_run()
         self.flush()
 
     @contextlib.contextmanager
@@ -299,7 +295,8 @@ class HDITracker:
             yield
         except Exception as err:
             self.stop_capture()
-            self._current = None
+            if self._current is not None:  # dropped on this rank; the ranks still agree in finish()
+                self._current.dropped = True
             self._skip(err, what)
 
     def _skip(self, err: Exception, what: str) -> None:
