@@ -93,10 +93,11 @@ def never_fired_message(step: int, what: str) -> str:
     the statistics it has none of)."""
     return (
         f"hdi-monitor: at step {step} no watched layer ran while the capture was on, so this step has no "
-        f"{what}. Either the model was not called inside tracker.capture() (between begin() and "
-        "stop_capture()), or it runs inside a torch.compile region that the monitor was not given and that was "
-        "compiled before this step (its graph never calls the monitor's hooks). Call the model inside the "
-        f"capture; for a compiled model, {_PASS_THE_WRAPPER}. (Said once.)"
+        f"{what}. Either the model was not called while the capture was on (inside tracker.capture(), between "
+        "begin() and stop_capture(), in the training step of a callback), or it runs inside a torch.compile "
+        "region that the monitor was not given and that was compiled before this step (its graph never calls "
+        f"the monitor's hooks). Call the model while the capture is on; for a compiled model, {_PASS_THE_WRAPPER}. "
+        "(Said once.)"
     )
 
 

@@ -103,13 +103,14 @@ class TraceSignal:
     module's hook, called by the eager ``Module.__call__`` inside the compiled wrapper) is traced
     again after a restart, and is compiled into a function that does nothing.
 
-    Where torch has neither API, the hooks still do nothing inside a trace, but their owner is not
-    told and Dynamo keeps guards on them.
+    Without ``assume_constant_result`` the hooks still do nothing inside a trace, but their owner
+    is not told; without the restart exception, the owner takes its hooks off but the graph traced
+    with them keeps guards on them (one recompilation when they are gone).
 
     Args:
         on_traced: see above; called once per trace of a hook holding this signal.
-        on_error: receives an exception raised by ``on_traced`` (None: it is dropped), which never
-            reaches Dynamo: the training forward goes on.
+        on_error: receives an exception raised by ``on_traced`` instead of Dynamo's trace (None:
+            the exception is dropped and the trace goes on).
     """
 
     def __init__(self, on_traced: Callable[[], bool], on_error: ErrorHandler | None = None) -> None:
