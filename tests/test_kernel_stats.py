@@ -407,12 +407,24 @@ def test_globals_restored_after_exit_also_on_exception(fail):
     hooks_before = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in layers.values()]
     ids, am = _batch()
 
+    inside = []
+
+    def look(*_):  # runs in the first layer's forward, after the capture's own pre-hook
+        inside.append(_globals()[2] is not before[2])
+        if fail:
+            raise RuntimeError("boom")  # inside the layer's forward: its always-called hook puts the wrappers back
+
     def run():
         with torch.no_grad(), KernelCapture(layers, lambda c: None):
-            assert _globals()[2] is not before[2]  # patched inside
-            model(input_ids=ids, attention_mask=am)
-            if fail:
-                raise RuntimeError("boom")
+            assert _globals()[2] is before[2]  # wrapped only while a watched layer's forward runs
+            first = next(iter(layers.values()))
+            handle = first.register_forward_pre_hook(look)
+            try:
+                model(input_ids=ids, attention_mask=am)
+            finally:
+                handle.remove()
+                assert inside == [True]  # wrapped inside
+                assert _globals()[2] is before[2]  # and put back when the forward returned or raised
 
     if fail:
         with pytest.raises(RuntimeError, match="boom"):

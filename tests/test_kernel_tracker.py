@@ -172,14 +172,22 @@ def test_kernel_stats_off_adds_no_hook_and_no_tag():
         tracker = HDITracker(model, kernel_stats=kernel, activations=False, strict=True)
         sdpa, registry = F.scaled_dot_product_attention, dict(mu.ALL_ATTENTION_FUNCTIONS._local_mapping)
         batch = _batch()
+        inside = []  # the globals as the first attention layer's forward sees them (after the monitor's hooks)
+
+        def look(*_, inside=inside, sdpa=sdpa, registry=registry):
+            inside.append(
+                (F.scaled_dot_product_attention is sdpa, mu.ALL_ATTENTION_FUNCTIONS._local_mapping == registry)
+            )
+
         with tracker.capture(batch) as measured:
             assert measured
-            seen[kernel] = (
-                hooks(model),
-                F.scaled_dot_product_attention is sdpa,
-                dict(mu.ALL_ATTENTION_FUNCTIONS._local_mapping) == registry,
-            )
+            attached = hooks(model)
+            outside = (F.scaled_dot_product_attention is sdpa, mu.ALL_ATTENTION_FUNCTIONS._local_mapping == registry)
+            handle = model.model.layers[0].self_attn.register_forward_pre_hook(look)
             model(**batch)
+            handle.remove()
+        seen[kernel] = (attached, *inside[0])
+        assert outside == (True, True)  # wrapped only while a watched layer's forward runs
         m = tracker.step()
         assert F.scaled_dot_product_attention is sdpa and hooks(model) == 0
         tags = [t for t in m.scalars if t.split("/")[0] in KERNEL_TAGS]

@@ -23,6 +23,7 @@ from hdi_monitor.exceptions import MonitoringWarning
 from hdi_monitor.measure.covariance import HeadCovarianceAccumulator
 from hdi_monitor.measure.kernel import KernelStatsCapture
 from hdi_monitor.models import AttentionLayer
+from hdi_monitor.models.base import TraceSignal, traced
 from hdi_monitor.models.hooks import CallMasks
 
 __all__ = [
@@ -115,7 +116,9 @@ def _select_tokens(
     return flat[rows], chosen[rows]
 
 
-def _count_module_call(counts: CallCounts, name: str, *_: Any) -> None:
+def _count_module_call(signal: TraceSignal | None, counts: CallCounts, name: str, *_: Any) -> None:
+    if traced(signal):
+        return
     counts.module_calls[name] = counts.module_calls.get(name, 0) + 1
 
 
@@ -126,6 +129,7 @@ def attach_output_hooks(
     on_error: Callable[[Exception], None] | None = None,
     counts: CallCounts | None = None,
     masks: CallMasks | None = None,
+    signal: TraceSignal | None = None,
 ) -> list[Any]:
     """Feed every layer's head outputs into its accumulator; returns handles to ``.remove()``.
 
@@ -136,26 +140,27 @@ def attach_output_hooks(
     forward pass. With ``counts``, the calls of each layer's module and of its head-output hook are
     counted there (a counting forward pre-hook on the attention module, removed with the others).
     ``masks``: a `CallMasks` whose hooks the caller attaches (`attach_capture` shares one with the
-    kernel statistics); None: one for ``layers`` and ``batch``, attached here.
+    kernel statistics); None: one for ``layers`` and ``batch``, attached here. Inside a Dynamo
+    trace every hook does nothing and tells ``signal`` (`hdi_monitor.models.base.TraceSignal`).
     """
     handles: list[Any] = []
     try:
         if masks is None:
             masks = CallMasks([la for la, acc in zip(layers, accumulators, strict=True) if acc is not None], batch)
-            handles += masks.hooks(on_error)
+            handles += masks.hooks(on_error, signal)
         for layer, acc in zip(layers, accumulators, strict=True):
             if acc is not None:
                 if getattr(layer, "tensor_parallel", None) is not None:
                     # the call's mask and the subsample are applied to this rank's share, before the gather
                     select = partial(_select_tokens, acc, masks, layer)
                     fn = partial(_on_output, acc, None, layer, counts)
-                    handles.append(layer.attach_output_hook(fn, on_error=on_error, select=select))
+                    handles.append(layer.attach_output_hook(fn, on_error=on_error, select=select, signal=signal))
                 else:
                     fn = partial(_on_output, acc, masks, layer, counts)
-                    handles.append(layer.attach_output_hook(fn, on_error=on_error))
+                    handles.append(layer.attach_output_hook(fn, on_error=on_error, signal=signal))
                 if counts is not None:
                     counts.module_calls.setdefault(layer.name, 0)
-                    counter = partial(_count_module_call, counts, layer.name)
+                    counter = partial(_count_module_call, signal, counts, layer.name)
                     handles.append(layer.module.register_forward_pre_hook(counter))
     except BaseException:
         for handle in handles:
@@ -184,15 +189,19 @@ def attach_capture(
     kernel: KernelStatsCapture | None = None,
     on_error: Callable[[Exception], None] | None = None,
     counts: CallCounts | None = None,
+    signal: TraceSignal | None = None,
 ) -> list[Any]:
     """Everything one measured forward pass captures: the head-output hooks of `attach_output_hooks`
     and, with ``kernel``, that kernel-statistics capture entered with each layer's query mask: the
     same `CallMasks` as the head outputs (each call's own mask, each sub-model's own key). Returns
-    handles to ``.remove()``; on an error, those already attached are removed."""
+    handles to ``.remove()``; on an error, those already attached are removed. Inside a Dynamo
+    trace every hook does nothing and tells ``signal`` (the kernel capture tells its own)."""
     masks = CallMasks(layers, batch)
-    handles = masks.hooks(on_error)
+    handles = masks.hooks(on_error, signal)
     try:
-        handles += attach_output_hooks(layers, accumulators, batch, on_error=on_error, counts=counts, masks=masks)
+        handles += attach_output_hooks(
+            layers, accumulators, batch, on_error=on_error, counts=counts, masks=masks, signal=signal
+        )
         if kernel is not None:
             kernel.set_query_mask(masks.query_mask)
             handles.append(_Entered(kernel))

@@ -29,6 +29,14 @@ A LightningModule compiled whole (``trainer.fit(torch.compile(module))``: Lightn
 ``forward`` and ``training_step``) has no eager call boundary around its forward; it is reported
 by `compiled_units` as not interceptable, and the tracker measures it from weights only, with a
 warning.
+
+A compile region **around** the watched model that the monitor cannot see (``torch.compile(model)``
+made after the monitor got ``model``, a compiled function or train step calling it,
+``torch.compile(DDP(model))``) is found when Dynamo traces one of the monitor's hooks: every hook
+does nothing inside a trace and tells the measured step (`hdi_monitor.models.base.TraceSignal`),
+which takes all its hooks off at trace time and has Dynamo trace again without them, so the graph
+is the one of the run without the monitor. From then on the training forward is not hooked (the
+weights are still measured) and `compiled_outside_message` is said once.
 """
 
 from __future__ import annotations
@@ -42,9 +50,56 @@ from typing import Any
 import torch
 from torch import nn
 
+from hdi_monitor.models.base import TraceSignal, traced
 from hdi_monitor.models.hooks import eval_mode
 
-__all__ = ["CompiledUnit", "called_through", "capture_side_forward", "compiled_units", "intercept", "side_forward"]
+__all__ = [
+    "CompiledUnit",
+    "called_through",
+    "capture_side_forward",
+    "compiled_outside_message",
+    "compiled_units",
+    "intercept",
+    "never_fired_message",
+    "side_forward",
+]
+
+_PASS_THE_WRAPPER = (
+    "give the monitor the compiled module that you call, HDITracker(torch.compile(model)) (for DDP: "
+    "compiled = torch.compile(DDP(model)); HDITracker(compiled)), or in a LightningModule keep the compiled "
+    "network as a submodule (self.net = torch.compile(self.net)): the monitor then measures it with an eager "
+    "side forward and leaves its graph alone. A compiled function that calls the model cannot be measured: "
+    "compile the model instead of the function"
+)
+
+
+def compiled_outside_message(step: int, kernel_stats: bool) -> str:
+    """What a measured step says once when Dynamo traced the monitor's hooks: the model runs inside a
+    torch.compile region the monitor was not given (see the module docstring)."""
+    what = "activation statistics (covariance, effective heads)" + (" and kernel statistics" if kernel_stats else "")
+    return (
+        f"hdi-monitor: at step {step} the watched model ran inside a torch.compile region that the monitor was "
+        "not given (torch.compile(model) made after the monitor got the model, model.forward = "
+        "torch.compile(model.forward), a compiled function or train step calling the model, or "
+        "torch.compile(DDP(model))), and Dynamo was tracing the monitor's hooks into your training graph. They "
+        "were taken off before the graph was made, so the graph and the training are those of a run without "
+        f"the monitor, and the training forward is no longer hooked: {what} are not measured from now on; the "
+        f"weight-based HDI is. To measure them, {_PASS_THE_WRAPPER}. (Said once.)"
+    )
+
+
+def never_fired_message(step: int, what: str) -> str:
+    """What a measured step says once when no watched layer ran while its capture was on (``what``:
+    the statistics it has none of)."""
+    return (
+        f"hdi-monitor: at step {step} no watched layer ran while the capture was on, so this step has no "
+        f"{what}. Either the model was not called while the capture was on (inside tracker.capture(), between "
+        "begin() and stop_capture(), in the training step of a callback), or it runs inside a torch.compile "
+        "region that the monitor was not given and that was compiled before this step (its graph never calls "
+        f"the monitor's hooks). Call the model while the capture is on; for a compiled model, {_PASS_THE_WRAPPER}. "
+        "(Said once.)"
+    )
+
 
 # model -> the compiled wrapper it is called through, for wrappers made outside the model (see
 # `called_through`); weak keys: a model that is gone takes its entry with it
@@ -210,12 +265,20 @@ class _Restore:
             self.module = None  # type: ignore[assignment]
 
 
-def intercept(unit: CompiledUnit, on_call: Callable[[tuple[Any, ...], dict[str, Any]], None]) -> Any:
+def intercept(
+    unit: CompiledUnit,
+    on_call: Callable[[tuple[Any, ...], dict[str, Any]], None],
+    signal: TraceSignal | None = None,
+) -> Any:
     """Until the returned handle's ``remove()``, ``on_call(args, kwargs)`` runs eagerly before
-    each call of the unit (then the compiled call runs as usual)."""
+    each call of the unit (then the compiled call runs as usual). Where the unit itself is called
+    inside a Dynamo trace (a compiled function calling the model), the interception does nothing
+    and tells ``signal`` (see `hdi_monitor.models.base.TraceSignal`)."""
     if unit.kind == "wrapper":
 
         def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if traced(signal):
+                return
             on_call(args, kwargs)
 
         return unit.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
@@ -224,7 +287,8 @@ def intercept(unit: CompiledUnit, on_call: Callable[[tuple[Any, ...], dict[str, 
     compiled: Callable[..., Any] = unit.module._compiled_call_impl  # type: ignore[assignment]
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        on_call(args, kwargs)
+        if not traced(signal):
+            on_call(args, kwargs)
         return compiled(*args, **kwargs)
 
     unit.module._compiled_call_impl = call

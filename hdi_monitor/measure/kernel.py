@@ -26,7 +26,7 @@ from hdi_monitor.functional.kernel import (
     kernel_sums,
 )
 from hdi_monitor.measure.accumulators import Accumulator, StateSpec
-from hdi_monitor.models.base import AttentionLayer, ErrorHandler
+from hdi_monitor.models.base import AttentionLayer, ErrorHandler, TraceSignal
 from hdi_monitor.models.kernel_capture import KernelCall, KernelCapture
 
 __all__ = ["ComputeDtype", "KernelStatsAccumulator", "KernelStatsCapture", "compute_kernel_results"]
@@ -186,7 +186,7 @@ class KernelStatsCapture:
             or a callable ``layer name -> mask or None`` asked at each call (each layer's own mask,
             each call's own: `hdi_monitor.models.hooks.CallMasks.query_mask`); applied to calls whose
             queries are ``(B, ·, T, ·)``. Change it between batches with `set_query_mask`.
-        on_error: as for `KernelCapture`.
+        on_error, signal: as for `KernelCapture`.
 
     Example:
         ```python
@@ -205,13 +205,14 @@ class KernelStatsCapture:
         generator: torch.Generator | None = None,
         query_mask: Tensor | Callable[[str], Tensor | None] | None = None,
         on_error: ErrorHandler | None = None,
+        signal: TraceSignal | None = None,
     ) -> None:
         self.max_tokens = None if max_tokens is None else check_int("max_tokens", max_tokens)
         check_instance("generator", generator, torch.Generator, optional=True)
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self.accumulators: dict[str, KernelStatsAccumulator] = {}
         self.set_query_mask(query_mask)
-        self._capture = KernelCapture(layers, self._on_call, on_error=on_error)
+        self._capture = KernelCapture(layers, self._on_call, on_error=on_error, signal=signal)
 
     def set_query_mask(self, query_mask: Tensor | Callable[[str], Tensor | None] | None) -> None:
         """Use ``query_mask`` for the following calls: a ``(B, T)`` bool tensor (True = real token) for

@@ -10,7 +10,11 @@ they all computed it), then returns a frozen `hdi_monitor.measure.measurement.Me
 
 Its own failure state: an error while reading the weights raises from `start` (the caller applies
 its error policy); an error inside a hook goes to the caller's ``on_error`` and drops the step (the
-forward pass goes on, and every rank still reaches `finish`, where they agree to drop it).
+forward pass goes on, and every rank still reaches `finish`, where they agree to drop it). A hook
+that Dynamo traces (the model runs inside a torch.compile region the monitor was not given) takes
+the step's capture off at trace time (`hdi_monitor.models.base.TraceSignal`): the step keeps its
+weight read, has no activation or kernel statistics, and says why once; later steps do not hook
+the training forward (`ModelWatch.compiled_outside`).
 
 `hdi_monitor.head_diversity`, `hdi_monitor.HDITracker` and ``hdi-monitor report`` all measure
 through this class.
@@ -29,12 +33,19 @@ from torch import nn
 from hdi_monitor.functional._numerics import no_autocast
 from hdi_monitor.measure.accumulators import sync_accumulators
 from hdi_monitor.measure.capture import CallCounts, attach_capture, output_accumulator
-from hdi_monitor.measure.compiled import capture_side_forward, intercept
+from hdi_monitor.measure.compiled import (
+    capture_side_forward,
+    compiled_outside_message,
+    intercept,
+    never_fired_message,
+)
 from hdi_monitor.measure.covariance import HeadCovarianceAccumulator, compute_results
 from hdi_monitor.measure.kernel import KernelStatsAccumulator, KernelStatsCapture, compute_kernel_results
 from hdi_monitor.measure.measurement import Measurement
 from hdi_monitor.measure.watch import ModelWatch
+from hdi_monitor.models.base import TraceSignal
 from hdi_monitor.models.hooks import call_model, eval_mode, iter_batches
+from hdi_monitor.models.kernel_capture import NOT_RUN
 from hdi_monitor.models.tensor_parallel import check_same_layers
 from hdi_monitor.report import ACTIVATIONS, AngleWork, DiversityReport, LayerDiversity, Progress, compute_report
 
@@ -63,6 +74,8 @@ class MeasuredStep:
         dropped: True once something failed on this rank (the weight read, a hook): the step is
             skipped (side forwards too), on every rank (they agree in `finish`).
         error: what failed while reading the weights (handed to ``on_error`` already), or None.
+        blind: True when the training forward was not hooked (a hook was traced by Dynamo, or an
+            earlier step found that it would be): no activation or kernel statistics this step.
         notes: what this step noticed so far (layers that changed).
     """
 
@@ -84,10 +97,15 @@ class MeasuredStep:
         self.forward_expected = True
         self.dropped = report is None
         self.error: Exception | None = None
+        self.blind = False
         self.notes = notes
         self._angle_work = angle_work
         self._on_error = on_error
         self._handles: list[Any] = []
+        self._traced = False  # Dynamo traced a hook of this step (its capture came off at trace time)
+        self._hooked = False  # a capture was attached for a forward pass
+        self._nothing_ran = False  # ... and no watched layer ran while it was on (set in finish)
+        self.signal = TraceSignal(self._on_traced, on_error=self._failed)
         self.counts = CallCounts()
         config, layers = watch.config, watch.layers
         self.accumulators: list[HeadCovarianceAccumulator | None] = [None] * len(layers)
@@ -198,7 +216,9 @@ class MeasuredStep:
         # every layer has an accumulator (the sync is the same on every rank); only the others are watched
         accs = [KernelStatsAccumulator(la.num_heads, max_tokens=max_tokens, generator=watch.generator) for la in layers]
         watched = [la for la in layers if la.name not in off]
-        capture = KernelStatsCapture(watched, max_tokens=max_tokens, generator=watch.generator, on_error=self._failed)
+        capture = KernelStatsCapture(
+            watched, max_tokens=max_tokens, generator=watch.generator, on_error=self._failed, signal=self.signal
+        )
         capture.accumulators.update({la.name: acc for la, acc in zip(layers, accs, strict=True) if la.name not in off})
         self.kernel, self.kernel_accumulators = capture, accs
 
@@ -206,11 +226,19 @@ class MeasuredStep:
     def attach(self, batch: Any) -> None:
         """Hooks for one forward pass (a further micro-batch of the step calls it again): plain
         hooks on the layers outside compiled parts; for each compiled part, an eager interception
-        that runs a side forward with its layers' hooks on (see `hdi_monitor.measure.compiled`)."""
+        that runs a side forward with its layers' hooks on (see `hdi_monitor.measure.compiled`).
+        Nothing once a hook was traced by Dynamo, at this step or an earlier one (`blind`)."""
+        if self._traced or self.watch.compiled_outside:
+            self.blind = True
+            return
+        self._attach(batch)
+
+    def _attach(self, batch: Any) -> None:
         kernel = self.kernel
         if self.dropped or not (self.watch.activations or kernel is not None):
             return
         self.stop_capture()
+        self._hooked = True
         layers, units, accs, counts = self.watch.layers, self.watch.units, self.accumulators, self.counts
         # the compiled unit (index into units) each layer lies in, or None
         unit_of = [next((k for k, u in enumerate(units) if u.contains(la.name)), None) for la in layers]
@@ -225,6 +253,7 @@ class MeasuredStep:
                 kernel=watched,
                 on_error=self._failed,
                 counts=counts,
+                signal=self.signal,
             )
         for k in dict.fromkeys(u for u in unit_of if u is not None):
             members = [i for i, u in enumerate(unit_of) if u == k]
@@ -236,9 +265,10 @@ class MeasuredStep:
                 kernel=kernel,
                 on_error=self._failed,
                 counts=counts,
+                signal=self.signal,
             )
             on_call = partial(capture_side_forward, units[k], attach, batch, self._failed, dropped=self._is_dropped)
-            self._handles += [intercept(units[k], on_call)]
+            self._handles += [intercept(units[k], on_call, self.signal)]
 
     def run(self, inputs: Any, progress: Progress | None = None, *, call: nn.Module | None = None) -> int:
         """Run ``inputs`` (a batch or an iterable of batches, see
@@ -252,7 +282,7 @@ class MeasuredStep:
         with torch.no_grad(), eval_mode(model):
             try:
                 for batch in iter_batches(inputs):
-                    self.attach(batch)
+                    self._attach(batch)  # an eager pass: hooked even where the training forward is not
                     call_model(model, batch)
                     seen += 1
                     if progress is not None:
@@ -263,6 +293,34 @@ class MeasuredStep:
 
     def _is_dropped(self) -> bool:
         return self.dropped
+
+    def _any_layer_ran(self) -> bool:
+        """Some watched layer ran while the capture was on (its module's call was counted, or the
+        kernel capture saw its forward)."""
+        if self.watch.activations and (
+            any(self.counts.module_calls.values()) or any(self.counts.output_calls.values())
+        ):
+            return True
+        kernel = self.kernel
+        if kernel is None:
+            return False
+        if not kernel.accumulators:
+            return True  # no layer's kernel is watched: nothing to tell from
+        reasons = dict(kernel.unreachable)
+        return any(reasons.get(name) != NOT_RUN for name in kernel.accumulators)
+
+    def _on_traced(self) -> bool:
+        """Dynamo is tracing a hook of this step (called at trace time, see `TraceSignal`): the model
+        runs inside a torch.compile region the monitor was not given. Take every hook off now, so
+        that Dynamo, tracing again, sees the model without them; the step has no activation or
+        kernel statistics (what some hooks saw eagerly before would be partial), and the training
+        forward is not hooked from now on. True the first time (Dynamo restarts its trace)."""
+        if self._traced:
+            return False  # the hook is itself the frame compiled: let it compile into a no-op
+        self._traced = self.blind = True
+        self.watch.compiled_outside = True
+        self.stop_capture()
+        return True
 
     def _failed(self, err: Exception) -> None:
         """A hook raised inside the forward pass: drop this step (every rank then agrees to drop
@@ -294,6 +352,7 @@ class MeasuredStep:
         self.stop_capture()
         if not self.watch.agree(not self.dropped) or self.report is None:
             raise StepFailed(None, "measuring")  # a rank dropped it: every rank does, so none waits
+        self._nothing_ran = self._hooked and not self.blind and not self._any_layer_ran()
         errors: list[Exception] = []
         with no_autocast():
             outputs = self._gather_outputs(errors) if self.watch.activations else None
@@ -309,14 +368,22 @@ class MeasuredStep:
             ]
         if kernel is not None:
             layers = [la if res is None else _with_kernel(la, res) for la, res in zip(layers, kernel, strict=True)]
-        if self.forward_expected and self.watch.activations:
+        if self.forward_expected and self.watch.activations and not self.blind:
             # each layer's calls this step: the next measured step shares max_tokens between them
             self.watch.calls = {n: c for n, c in self.counts.output_calls.items() if c > 0}
+        kernel_stats = self.kernel is not None
+        if self.blind and self.forward_expected and self.watch.once("compiled outside", ""):
+            self.notes.append(compiled_outside_message(self.step, kernel_stats))
+        if self._nothing_ran and self.forward_expected and self.watch.once("never fired", ""):
+            what = " or ".join(
+                ["activation statistics"] * self.watch.activations + ["kernel statistics"] * kernel_stats
+            )
+            self.notes.append(never_fired_message(self.step, what))
         return Measurement(
             step=self.step,
             report=dataclasses.replace(self.report, layers=layers),
             image_step=self.image,
-            activations=self.watch.activations,
+            activations=self.watch.activations and not self.blind,  # a blind step measured no head output
             notes=tuple(self.notes),
             token_counts=counts,
             calls=dict(self.watch.calls),
@@ -333,6 +400,8 @@ class MeasuredStep:
         if reduce:
             check_same_layers(layers, group)
             sync_accumulators(accs, group)  # collective: every rank, every layer, in order
+        if self.blind:  # the training forward was not hooked: nothing measured, nothing partial
+            return [(None, None)] * len(self.accumulators)
         results: list[Any] = [None] * len(accs)
         try:
             results = compute_results(accs, min_tokens=2)  # caches every token count on the host
@@ -351,9 +420,12 @@ class MeasuredStep:
         return out
 
     def _output_notes(self, tokens: list[int | None]) -> None:
-        """An output projection whose hook never fired (``F.linear`` on its weight) or a layer with
-        fewer than 2 real tokens: said once per layer."""
+        """No hook fired at all while the capture was on (said once), an output projection whose
+        hook never fired (``F.linear`` on its weight) or a layer with fewer than 2 real tokens: said
+        once per layer."""
         watch, calls = self.watch, self.counts.output_calls
+        if self._nothing_ran:
+            return  # said once in finish
         for name in self.counts.silent_layers():
             if watch.once("silent hook", name):
                 module = next((type(la.output_module).__name__ for la in watch.layers if la.name == name), "")
@@ -382,14 +454,16 @@ class MeasuredStep:
         reduce, group = self.watch.data_parallel
         if reduce:
             sync_accumulators(accs, group)  # collective: every rank, every layer, in order
-        if not self.forward_expected:
-            return None  # a weights-only measurement: no forward pass ran, nothing to say
+        if not self.forward_expected or self.blind:
+            return None  # no forward pass ran, or it was not hooked (said once in finish)
         try:
             results = compute_kernel_results(accs)
         except Exception as err:  # noqa: BLE001 - recorded; the ranks agree in finish()
             errors.append(err)
             return None
         off = dict(capture.unreachable)
+        if self._nothing_ran:  # said once in finish, not once per layer
+            off = {name: why for name, why in off.items() if why != NOT_RUN}
         off.update(self.kernel_off)
         for name, why in off.items():
             if self.watch.once("kernel", name):

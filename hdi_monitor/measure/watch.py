@@ -113,6 +113,9 @@ class ModelWatch:
         """``flag -> AND over the ranks``, the collective a measured step runs twice in `finish`."""
         self.activations_off: str | None = None  # why head outputs cannot be captured (None: they can)
         self.units: list[CompiledUnit] = []  # compiled parts of the model (never hooked)
+        # True once Dynamo traced a hook of a measured step: the model runs inside a torch.compile region
+        # the monitor was not given, and the training forward is not hooked any more (weights only)
+        self.compiled_outside = False
         self.calls: dict[str, int] = {}  # head-output calls per layer at the last measured forward
         self.said: set[tuple[str, str]] = set()  # (what, layer) already said once per layer
         self.updates = UpdateEntropy() if config.update_entropy else None  # the previous step's W_Q, W_K

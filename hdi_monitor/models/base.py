@@ -19,11 +19,14 @@ Conventions (see the README, "Attention discovery"):
 
 from __future__ import annotations
 
+import itertools
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+import torch
 from einops import rearrange
 from torch import Tensor, nn
 
@@ -42,6 +45,7 @@ __all__ = [
     "AttentionLayer",
     "SkippedModule",
     "HookHandle",
+    "TraceSignal",
     "OutputHook",
     "WeightSource",
     "check_projection",
@@ -50,6 +54,7 @@ __all__ = [
     "registered_adapters",
     "split_in_features",
     "split_out_features",
+    "traced",
 ]
 
 Projection = Literal["query", "key", "value", "output"]
@@ -69,12 +74,109 @@ ErrorHandler = Callable[[Exception], None]
 """``on_error(err)``: receives an exception raised inside an output hook instead of the forward pass."""
 
 
-def guarded(pre_hook: Callable[..., None], on_error: ErrorHandler | None) -> Callable[..., None]:
+# ------------------------------------------------------------------------ hooks inside a Dynamo trace
+#
+# A hook of the monitor runs inside a Dynamo trace when the model is called through a torch.compile
+# region the monitor does not know of (``torch.compile(model)`` made after the monitor got ``model``,
+# ``model.forward = torch.compile(model.forward)``, a compiled train step, ``torch.compile(DDP(model))``).
+# Whatever the hook did there would be compiled into the training graph: graph breaks, guards on
+# the hooks (a recompilation each time they come and go), its Python side effects replayed on every
+# call. So each hook of the monitor starts with ``if traced(signal): return``.
+
+_SIGNALS: weakref.WeakValueDictionary[int, TraceSignal] = weakref.WeakValueDictionary()
+_SIGNAL_KEYS = itertools.count(1)
+_assume_constant = getattr(torch.compiler, "assume_constant_result", None)
+
+
+class TraceSignal:
+    """How the hooks of one owner (a measured step) tell it that Dynamo is tracing them.
+
+    `traced` calls ``on_traced()`` **for real, at trace time**, through a function Dynamo runs
+    while it traces instead of tracing it (``torch.compiler.assume_constant_result``): nothing of
+    the call is left in the graph or replayed when the graph runs. The owner takes all its hooks
+    off there (and puts back whatever it patched) and returns True; the signal then asks Dynamo to
+    trace the frame again from its start (``torch._dynamo.exc.UnspecializeRestartAnalysis``, which
+    Dynamo raises itself when a module changes under its trace; it restarts with an empty
+    speculation log). The second trace sees the model as it is without the monitor: the same graph,
+    the same guards, no recompilation later. ``on_traced()`` returning False lets the trace go on
+    (the hook then does nothing in it): a hook that is itself the frame being compiled (a root
+    module's hook, called by the eager ``Module.__call__`` inside the compiled wrapper) is traced
+    again after a restart, and is compiled into a function that does nothing.
+
+    Without ``assume_constant_result`` the hooks still do nothing inside a trace, but their owner
+    is not told; without the restart exception, the owner takes its hooks off but the graph traced
+    with them keeps guards on them (one recompilation when they are gone).
+
+    Args:
+        on_traced: see above; called once per trace of a hook holding this signal.
+        on_error: receives an exception raised by ``on_traced`` instead of Dynamo's trace (None:
+            the exception is dropped and the trace goes on).
+    """
+
+    def __init__(self, on_traced: Callable[[], bool], on_error: ErrorHandler | None = None) -> None:
+        self.key = next(_SIGNAL_KEYS)  # what a hook passes to the trace-time call (a constant for Dynamo)
+        self._on_traced: Callable[[], bool] | None = on_traced
+        self._on_error = on_error
+        _SIGNALS[self.key] = self
+
+    def close(self) -> None:
+        """Forget ``on_traced``: a later trace of a hook holding this signal tells no one."""
+        self._on_traced = None
+        _SIGNALS.pop(self.key, None)
+
+    def _fire(self) -> bool:
+        handler = self._on_traced
+        if handler is None:
+            return False
+        try:
+            return bool(handler())
+        except Exception as err:  # noqa: BLE001 - never into Dynamo's trace (the training forward)
+            if self._on_error is not None:
+                self._on_error(err)
+            return False
+
+
+def _signal_traced(key: int) -> None:
+    """Run by Dynamo at trace time (see `TraceSignal`), never traced and never left in a graph."""
+    signal = _SIGNALS.get(key)
+    if signal is None or not signal._fire():
+        return
+    import torch._dynamo.exc as dynamo_exc
+
+    restart = getattr(dynamo_exc, "UnspecializeRestartAnalysis", None)
+    if restart is not None:
+        err = restart()
+        err.restart_reason = "hdi-monitor took its hooks off the model"
+        raise err
+
+
+if _assume_constant is not None:
+    _signal_traced = _assume_constant(_signal_traced)
+
+
+def traced(signal: TraceSignal | None = None) -> bool:
+    """True while Dynamo traces the calling hook, which must then return at once and do nothing;
+    ``signal`` (see `TraceSignal`) is told first. False (at the cost of one check) in eager mode.
+
+    Every hook and wrapper of the monitor starts with ``if traced(signal): return``."""
+    if not torch.compiler.is_compiling():
+        return False
+    if signal is not None and _assume_constant is not None:
+        _signal_traced(signal.key)
+    return True
+
+
+def guarded(
+    pre_hook: Callable[..., None], on_error: ErrorHandler | None, signal: TraceSignal | None = None
+) -> Callable[..., None]:
     """``pre_hook`` run with autocast off (measurements stay in float32/float64 under the caller's
-    ``torch.autocast``), its exceptions passed to ``on_error`` (re-raised when ``on_error`` is None)."""
+    ``torch.autocast``), its exceptions passed to ``on_error`` (re-raised when ``on_error`` is None);
+    inside a Dynamo trace it does nothing and tells ``signal`` (see `traced`)."""
     from hdi_monitor.functional._numerics import no_autocast
 
     def run(*args: Any, **kwargs: Any) -> None:
+        if traced(signal):
+            return
         try:
             with no_autocast():
                 pre_hook(*args, **kwargs)
@@ -345,7 +447,12 @@ class AttentionLayer:
             return qk.read()
 
     def attach_output_hook(
-        self, fn: OutputHook, on_error: ErrorHandler | None = None, *, select: TokenSelect | None = None
+        self,
+        fn: OutputHook,
+        on_error: ErrorHandler | None = None,
+        *,
+        select: TokenSelect | None = None,
+        signal: TraceSignal | None = None,
     ) -> HookHandle:
         """Call ``fn(o, keep_mask)`` on every forward of this layer while attached.
 
@@ -361,6 +468,9 @@ class AttentionLayer:
         the number of rows it returns (the caller's ``max_tokens``) rather than by the batch; ``fn``
         then receives those rows of every head and their ``keep`` flags. Without tensor parallelism
         ``select`` is not used.
+
+        Inside a Dynamo trace (the model called through a ``torch.compile`` region) the hook does
+        nothing and tells ``signal`` (see `TraceSignal`): ``fn`` is only ever called eagerly.
         """
         if self._output_module is None:
             raise ValueError(
@@ -382,7 +492,8 @@ class AttentionLayer:
                 o = gather_heads(o, split, width, self.name)
             fn(o.detach(), keep)
 
-        return HookHandle(self._output_module.register_forward_pre_hook(guarded(pre_hook, on_error), with_kwargs=True))
+        hook = guarded(pre_hook, on_error, signal)
+        return HookHandle(self._output_module.register_forward_pre_hook(hook, with_kwargs=True))
 
 
 # ------------------------------------------------------------------------------------------ registry

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from hdi_monitor.exceptions import MonitoringWarning
-from hdi_monitor.models.base import AttentionLayer
+from hdi_monitor.models.base import AttentionLayer, TraceSignal, traced
 
 __all__ = ["CallMasks", "batch_mask", "call_model", "eval_mode", "iter_batches", "untied_mask_message"]
 
@@ -109,7 +109,8 @@ class CallMasks:
        call: it is applied to every call it fits, and a `MonitoringWarning` names the layer, once.
 
     `hooks` puts a forward pre-hook and an always-called forward hook on each module in (1) and on
-    the model; they read arguments only (no tensor op), and do nothing while Dynamo traces.
+    the model; they read arguments only (no tensor op), and do nothing while Dynamo traces (they
+    tell the ``signal`` given to `hooks`, see `hdi_monitor.models.base.TraceSignal`).
 
     Args:
         layers: the layers measured with these masks.
@@ -125,6 +126,7 @@ class CallMasks:
         self._root: dict[str, int] = {}  # layer name -> id of its model
         self._calls: dict[int, int] = {}
         self._on_error: Callable[[Exception], None] | None = None
+        self._signal: TraceSignal | None = None
         for layer in layers:
             key = layer.mask_key
             if key is None or not layer.ancestors:
@@ -146,10 +148,14 @@ class CallMasks:
             stack = self._local.stack = []
         return stack
 
-    def hooks(self, on_error: Callable[[Exception], None] | None = None) -> list[Any]:
+    def hooks(
+        self, on_error: Callable[[Exception], None] | None = None, signal: TraceSignal | None = None
+    ) -> list[Any]:
         """Attach the hooks that follow the running calls; returns their handles (``.remove()``).
-        With ``on_error``, an exception inside them goes there instead of into the forward pass."""
+        With ``on_error``, an exception inside them goes there instead of into the forward pass;
+        inside a Dynamo trace they do nothing and tell ``signal``."""
         self._on_error = on_error
+        self._signal = signal
         handles: list[Any] = []
         try:
             for module, args in self._watch.values():
@@ -168,7 +174,7 @@ class CallMasks:
         self._on_error(err)
 
     def _enter(self, where: dict[str, _Arg], module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if torch.compiler.is_compiling():
+        if traced(self._signal):
             return
         try:
             self._calls[id(module)] = self._calls.get(id(module), 0) + 1  # read for the models only
@@ -180,7 +186,7 @@ class CallMasks:
     def _leave(self, module: nn.Module, *_: Any) -> None:
         # ``*_``: (args, kwargs, output), or (args, output) when the handle was removed while torch was
         # already running the module's forward hooks (a hook that stops the capture runs before this one)
-        if torch.compiler.is_compiling():
+        if traced(self._signal):
             return
         try:
             stack = self._stack()

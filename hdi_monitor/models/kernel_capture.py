@@ -33,9 +33,18 @@ eager calls, to the layer holding the ``module`` argument. Layers whose forward 
 kernel was never reached, or that were not measured for a stated reason, are listed by
 `KernelCapture.unreachable`.
 
-Nothing global stays changed: every registry entry, module function and ``F.sdpa`` is restored
-when the block exits (also on exceptions), the fast-path flag is restored, the hooks are removed,
-and no random number is drawn (the statistics' query subsample uses a private generator).
+Nothing global stays changed: the registry entries, module functions and ``F.sdpa`` are wrapped
+only while the forward of a watched layer runs (eagerly) inside the block, from the layer's forward
+pre-hook to its always-called forward hook, and put back then (also on exceptions) and when the
+block exits; the fast-path flag is restored, the hooks are removed, and no random number is drawn
+(the statistics' query subsample uses a private generator). So a compiled graph traced outside a
+layer's forward never sees a wrapper in the globals it guards on, and a cached compiled graph,
+which does not run the hooks, never sees one at all.
+
+Inside a Dynamo trace (the model called through a ``torch.compile`` region while the capture is
+active) the hooks do nothing and the wrappers only call the original function; both tell the
+capture's ``signal`` (`hdi_monitor.models.base.TraceSignal`), whose owner can take the capture off
+and have Dynamo trace again without it.
 """
 
 from __future__ import annotations
@@ -56,16 +65,19 @@ from torch import Tensor, nn
 from hdi_monitor._validation import check_instance
 from hdi_monitor.functional._numerics import no_autocast
 from hdi_monitor.functional.kernel import MASKED_AT, default_kv_head_map
-from hdi_monitor.models.base import AttentionLayer, ErrorHandler
+from hdi_monitor.models.base import AttentionLayer, ErrorHandler, TraceSignal, traced
 from hdi_monitor.models.torch_mha import _MHA_ARGS, _keep_from_padding, mha_heads, unnest_self_attention
 
-__all__ = ["KernelCall", "KernelCapture", "mha_query_key"]
+__all__ = ["NOT_RUN", "KernelCall", "KernelCapture", "mha_query_key"]
 
 #: Keyword arguments of an attention function that change its softmax in ways the statistics do not
 #: model; a call that passes one of them (not None) is not measured and its layer is named.
 UNSUPPORTED_KWARGS: tuple[str, ...] = ("softcap", "s_aux", "sinks")
 
 _EAGER = "eager_attention_forward"
+
+#: The reason `KernelCapture.unreachable` gives for a layer whose forward never ran while the capture was on.
+NOT_RUN = "the layer's forward did not run while the capture was active"
 
 
 @dataclass(frozen=True)
@@ -155,10 +167,14 @@ class KernelCapture:
             off). It must not keep the tensors longer than it needs them.
         on_error: receives an exception raised while reading a call (or inside ``on_call``) instead
             of the forward pass; None re-raises.
+        signal: told when a hook or wrapper of the capture runs inside a Dynamo trace (see
+            `hdi_monitor.models.base.TraceSignal`); settable until the block is entered.
 
     While active, the registry entries, the eager functions of the watched layers' modeling modules
-    and ``F.scaled_dot_product_attention`` are wrapped (each wrapper calls the original with the
-    same arguments and returns its result untouched). All of it is restored on exit. The object is single-use per block but may be entered again.
+    and ``F.scaled_dot_product_attention`` are wrapped whenever a watched layer's forward runs (each
+    wrapper calls the original with the same arguments and returns its result untouched), and put
+    back when it returns. All of it is restored on exit. The object is single-use per block but may
+    be entered again.
 
     Example:
         ```python
@@ -175,18 +191,25 @@ class KernelCapture:
         on_call: Callable[[KernelCall], None],
         *,
         on_error: ErrorHandler | None = None,
+        signal: TraceSignal | None = None,
     ) -> None:
         if not callable(on_call):
             raise TypeError("on_call must be callable")
         self._layers = _layer_entries(layers)
         self.on_call = on_call
         self.on_error = on_error
+        self.signal = signal
         self._owner: dict[int, str] = {}
         for name, mod in self._layers:
             for sub in mod.modules():
                 self._owner.setdefault(id(sub), name)
         self._local = threading.local()
         self._undo: list[Callable[[], None]] = []
+        # (apply, undo) of each global wrapper: applied while a watched layer's forward runs
+        self._patches: list[tuple[Callable[[], None], Callable[[], None]]] = []
+        self._applied: list[Callable[[], None]] = []
+        self._running = 0  # watched layer forwards running, in all threads
+        self._patch_lock = threading.RLock()
         self.calls: dict[str, int] = {}
         self.forwards: dict[str, int] = {}
         self._reasons: dict[str, str] = {}
@@ -207,7 +230,7 @@ class KernelCapture:
                 out.append((name, self._reasons[name]))
             elif self.calls.get(name, 0) == 0:
                 if self.forwards.get(name, 0) == 0:
-                    out.append((name, "the layer's forward did not run while the capture was active"))
+                    out.append((name, NOT_RUN))
                 else:
                     out.append(
                         (
@@ -252,21 +275,66 @@ class KernelCapture:
             is_mha = isinstance(mod, nn.MultiheadAttention)
 
             def pre(_m: nn.Module, args: tuple, kwargs: dict, _n: str = name, _mha: bool = is_mha) -> None:
+                if traced(self.signal):
+                    return
                 self.forwards[_n] = self.forwards.get(_n, 0) + 1
                 self._stack().append(_Frame(_n, "mha" if _mha else "layer"))
+                self._guard(self._layer_enters)
                 if _mha:
                     self._guard(lambda: self._mha_call(_n, _m, args, kwargs))
 
             def post(_m: nn.Module, _args: tuple, _kwargs: dict, _out: Any, _n: str = name) -> None:
+                if traced(self.signal):
+                    return
                 st = self._stack()
+                if not any(f.layer == _n and f.kind in ("layer", "mha") for f in st):
+                    return  # attached while this call was running: its pre-hook never ran
                 while st:  # also unwinds frames an exception left behind
                     if st.pop().layer == _n:
                         break
+                self._guard(self._layer_returns)
 
             h1 = mod.register_forward_pre_hook(pre, with_kwargs=True)
             h2 = mod.register_forward_hook(post, with_kwargs=True, always_call=True)
             self._undo.append(h1.remove)
             self._undo.append(h2.remove)
+
+    def _layer_enters(self) -> None:
+        """A watched layer's forward starts: the global wrappers go on if none was running."""
+        with self._patch_lock:
+            self._running += 1
+            if self._running == 1:
+                self._apply_patches()
+
+    def _layer_returns(self) -> None:
+        """A watched layer's forward returned (or raised): the wrappers come off if it was the last."""
+        with self._patch_lock:
+            self._running = max(0, self._running - 1)
+            if self._running == 0:
+                self._remove_patches()
+
+    def _apply_patches(self) -> None:
+        done: list[Callable[[], None]] = []
+        try:
+            for apply, undo in self._patches:
+                apply()
+                done.append(undo)
+        except BaseException:
+            for undo in reversed(done):
+                undo()
+            raise
+        self._applied = done
+
+    def _remove_patches(self) -> None:
+        undo, self._applied = self._applied, []
+        errors: list[BaseException] = []
+        for fn in reversed(undo):
+            try:
+                fn()
+            except Exception as err:  # noqa: BLE001 - put back everything else first
+                errors.append(err)
+        if errors:
+            raise errors[0]
 
     def _mha_call(self, name: str, mha: nn.Module, args: tuple, kwargs: dict) -> None:
         assert isinstance(mha, nn.MultiheadAttention)
@@ -287,17 +355,17 @@ class KernelCapture:
         capture = self
 
         def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Any:
+            if traced(capture.signal):
+                return original(query, key, value, *args, **kwargs)
             top = capture._top()
             if top is not None and top.kind in ("layer", "registry") and not top.reached:
                 capture._guard(lambda: capture._sdpa_call(top, query, key, args, kwargs))
             return original(query, key, value, *args, **kwargs)
 
-        F.scaled_dot_product_attention = scaled_dot_product_attention
-
-        def restore() -> None:
-            F.scaled_dot_product_attention = original
-
-        self._undo.append(restore)
+        name = "scaled_dot_product_attention"
+        self._patches.append(
+            (partial(setattr, F, name, scaled_dot_product_attention), partial(setattr, F, name, original))
+        )
 
     def _sdpa_call(self, frame: _Frame, query: Tensor, key: Tensor, args: tuple, kwargs: dict) -> None:
         names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -331,14 +399,13 @@ class KernelCapture:
         if registry is None or not isinstance(local, dict):
             return
         saved = dict(local)
+        wrapped = {key: self._registry_wrapper(key, registry[key]) for key in list(registry.keys())}
 
         def restore() -> None:
             local.clear()
             local.update(saved)
 
-        self._undo.append(restore)
-        for key in list(registry.keys()):
-            registry[key] = self._registry_wrapper(key, registry[key])
+        self._patches.append((partial(local.update, wrapped), restore))
 
     def _registry_wrapper(self, impl: str, original: Callable[..., Any]) -> Callable[..., Any]:
         capture = self
@@ -346,6 +413,8 @@ class KernelCapture:
         def attention(
             module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, *args: Any, **kwargs: Any
         ) -> Any:
+            if traced(capture.signal):
+                return original(module, query, key, value, attention_mask, *args, **kwargs)
             layer = capture._owner.get(id(module))
             if layer is None:
                 top = capture._top()
@@ -382,8 +451,8 @@ class KernelCapture:
                 if modname in done or not callable(fn):
                     continue
                 done.add(modname)
-                setattr(pymod, _EAGER, self._eager_wrapper(fn))
-                self._undo.append(partial(setattr, pymod, _EAGER, fn))
+                wrapper = self._eager_wrapper(fn)
+                self._patches.append((partial(setattr, pymod, _EAGER, wrapper), partial(setattr, pymod, _EAGER, fn)))
 
     def _eager_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
         capture = self
@@ -400,6 +469,8 @@ class KernelCapture:
         def eager(
             module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, *args: Any, **kwargs: Any
         ) -> Any:
+            if traced(capture.signal):
+                return original(module, query, key, value, attention_mask, *args, **kwargs)
             layer = capture._owner.get(id(module))
             top = capture._top()
             if layer is None and top is not None:
@@ -456,12 +527,12 @@ class KernelCapture:
     def __enter__(self) -> KernelCapture:
         if self._active:
             raise RuntimeError("this KernelCapture is already active")
-        self._undo = []
+        self._undo, self._patches, self._running = [], [], 0
         try:
-            self._hook_layers()
-            self._patch_registry()
+            self._patch_registry()  # the wrappers, put on while a watched layer runs
             self._patch_eager()
             self._patch_sdpa()
+            self._hook_layers()
         except BaseException:
             self._restore()
             raise
@@ -470,6 +541,12 @@ class KernelCapture:
 
     def _restore(self) -> None:
         errors: list[BaseException] = []
+        with self._patch_lock:  # a layer still running (the capture taken off inside a forward)
+            self._running = 0
+            try:
+                self._remove_patches()
+            except Exception as err:  # noqa: BLE001 - restore everything else first
+                errors.append(err)
         for fn in reversed(self._undo):
             try:
                 fn()

@@ -41,6 +41,7 @@ from hdi_monitor.models.base import (
     HookHandle,
     OutputHook,
     TokenSelect,
+    TraceSignal,
     full_weight,
     guarded,
 )
@@ -242,10 +243,16 @@ class MHALayer(AttentionLayer):
     """An ``nn.MultiheadAttention``; its output hook recomputes head outputs from the forward inputs."""
 
     def attach_output_hook(
-        self, fn: OutputHook, on_error: ErrorHandler | None = None, *, select: TokenSelect | None = None
+        self,
+        fn: OutputHook,
+        on_error: ErrorHandler | None = None,
+        *,
+        select: TokenSelect | None = None,
+        signal: TraceSignal | None = None,
     ) -> HookHandle:
         """Call ``fn(o, keep_mask)`` on every forward of the MHA while attached (``select`` is for
-        tensor-parallel layers, which ``nn.MultiheadAttention`` never is: unused).
+        tensor-parallel layers, which ``nn.MultiheadAttention`` never is: unused; ``signal``: as for
+        `AttentionLayer.attach_output_hook`, the hook does nothing inside a Dynamo trace).
 
         ``o`` is recomputed from the call's inputs (see `mha_head_outputs`). For self-attention
         calls (``query is key``) with a ``key_padding_mask``, ``keep_mask = ~key_padding_mask`` (float
@@ -278,7 +285,7 @@ class MHALayer(AttentionLayer):
                         keep = keep.transpose(0, 1)
             fn(o, keep)
 
-        return HookHandle(mha.register_forward_pre_hook(guarded(pre_hook, on_error), with_kwargs=True))
+        return HookHandle(mha.register_forward_pre_hook(guarded(pre_hook, on_error, signal), with_kwargs=True))
 
 
 def _match(name: str, module: nn.Module) -> bool:
