@@ -171,6 +171,7 @@ def test_every_picture_on_the_page_is_a_written_png(tmp_path):
         title="key subspace overlap of head pairs, every layer",
         colorbar_label="overlap (1: same subspace)",
         max_columns=8,
+        width=1100,
         geometry=geometry,
     )
     assert again == files.overview["key"].read_bytes()

@@ -46,8 +46,9 @@ Progress = Callable[[int], object]
 
 # Width range of one matrix picture on the page: the grid fits as many columns as the window allows.
 _CELL_MIN_PX, _CELL_MAX_PX = 170, 300
-# Tiles per row of an overview picture (about 950 px wide for 8 heads).
-_OVERVIEW_COLUMNS = 8
+# Tiles per row of an overview picture, and its width: the page's content at a 1,200 px window
+# (24 px margins) is 1,152 px, so the picture shows pixel for pixel there.
+_OVERVIEW_COLUMNS, _OVERVIEW_PX = 8, 1100
 
 
 @dataclass
@@ -282,6 +283,7 @@ def _write_overviews(report: DiversityReport, out: Path, files: ReportFiles, tic
                 title=f"{p} subspace overlap of head pairs, every layer",
                 colorbar_label="overlap (1: same subspace)",
                 max_columns=_OVERVIEW_COLUMNS,
+                width=_OVERVIEW_PX,
             )
             files.overview[p] = out / f"overview_{p}.png"
             no_link(files.overview[p]).write_bytes(png)
@@ -297,6 +299,7 @@ def _write_overviews(report: DiversityReport, out: Path, files: ReportFiles, tic
             title="head-output correlation, every layer",
             colorbar_label="correlation",
             max_columns=_OVERVIEW_COLUMNS,
+            width=_OVERVIEW_PX,
         )
         files.overview["correlation"] = out / "overview_correlation.png"
         no_link(files.overview["correlation"]).write_bytes(png)
