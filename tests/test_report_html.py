@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from hdi_monitor import head_diversity
+from hdi_monitor.cli._load import TrainingStep
 from hdi_monitor.cli.html import write_report
 from hdi_monitor.monitor.render import colour_table, tiled_heatmaps
 
@@ -218,3 +219,25 @@ def test_page_keeps_its_legend_plot_and_scales_the_matrix_grid(tmp_path):
 def test_write_report_rejects_a_non_report(tmp_path):
     with pytest.raises(TypeError, match="DiversityReport"):
         write_report({"layers": []}, tmp_path)
+
+
+def test_page_states_the_training_step(tmp_path):
+    report = head_diversity(_encoder(), projections=("key",))
+
+    def step_line(**kwargs) -> str:
+        text = write_report(report, tmp_path / str(len(list(tmp_path.iterdir()))), **kwargs).html.read_text()
+        match = re.search(r'<p class="step">(.*?)</p>', text, re.S)
+        assert match
+        return re.sub(r"<[^>]+>", "", match.group(1))
+
+    assert step_line(step=TrainingStep(1234, "global_step of the Lightning checkpoint")) == (
+        "Training step 1234 · global_step of the Lightning checkpoint"
+    )
+    assert step_line(step=TrainingStep(None, "a state_dict records no step")) == (
+        "Training step unknown · a state_dict records no step"
+    )
+    assert step_line(step=77) == "Training step 77 · given with the report"
+    assert step_line() == "Training step unknown · none was given with the report"
+    for bad in ("77", True, -1, 7.0):
+        with pytest.raises(TypeError, match="step must be"):
+            write_report(report, tmp_path / "bad", step=bad)

@@ -12,7 +12,8 @@
   pictures, here with every layer), so that 80 layers read at a glance;
 * ``hdi_by_layer.png``: HDI per layer for every projection, with the chance level (random heads)
   and, where it is below 1, the frame-bound maximum (matplotlib, Agg canvas, no pyplot state);
-* ``index.html``: one page showing the table, the modules that were not measured (with
+* ``index.html``: one page showing the training step the weights are from (or that it is
+  unknown), the table, the modules that were not measured (with
   ``DiversityReport.skipped``), the plot and every matrix, in a grid that wraps to the window. It
   is rendered from the jinja2 template ``templates/report.html.j2`` with autoescaping, so model
   text (layer names, reasons) is always escaped. The pictures are embedded as ``data:`` URIs and
@@ -37,6 +38,7 @@ import torch
 from torch import Tensor
 
 from hdi_monitor.cli._common import no_link
+from hdi_monitor.cli._load import TrainingStep
 from hdi_monitor.monitor.render import colorbar_lut, heatmap, layer_labels, tiled_heatmaps
 from hdi_monitor.report import ACTIVATIONS, DiversityReport
 
@@ -306,12 +308,14 @@ def _write_overviews(report: DiversityReport, out: Path, files: ReportFiles, tic
         tick(1)
 
 
-def _page(report: DiversityReport, files: ReportFiles, title: str, source: str | None) -> str:
+def _page(report: DiversityReport, files: ReportFiles, title: str, source: str | None, step: TrainingStep) -> str:
     """Render the page template (autoescaped) for ``report`` and the pictures in ``files``."""
     skipped = getattr(report, "skipped", None)  # DiversityReport.skipped: modules found but not measured
     return _template().render(
         title=title,
         source=source,
+        step="unknown" if step.step is None else str(step.step),
+        step_source=step.source,
         stamp=_dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
         weighting=report.weighting,
         num_layers=len(report.layers),
@@ -337,6 +341,7 @@ def write_report(
     *,
     title: str | None = None,
     source: str | None = None,
+    step: TrainingStep | int | None = None,
     progress: Progress | None = None,
 ) -> ReportFiles:
     """Write heatmap PNGs, the HDI-by-layer plot and ``index.html`` for ``report`` into ``out_dir``.
@@ -346,6 +351,9 @@ def write_report(
         out_dir: the folder (created if missing; files of the same names are overwritten).
         title: page and plot title (default ``"Head diversity report"``).
         source: shown on the page (e.g. the model path).
+        step: the training step the weights are from, stated under the title: a `TrainingStep`
+            (where it was read, as ``hdi-monitor report`` finds it), or a step number the caller
+            vouches for; None says the step is unknown.
         progress: called with ``1`` after each file (``tqdm.update`` fits), see `figure_count`.
 
     Returns:
@@ -353,6 +361,12 @@ def write_report(
     """
     if not isinstance(report, DiversityReport):
         raise TypeError(f"report must be a DiversityReport, got {type(report).__name__}")
+    if step is None:
+        step = TrainingStep(None, "none was given with the report")
+    elif not isinstance(step, TrainingStep):
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise TypeError(f"step must be a TrainingStep, a step number or None, got {step!r}")
+        step = TrainingStep(step, "given with the report")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out_dir {str(out)!r} exists and is not a directory")
@@ -376,6 +390,6 @@ def write_report(
     _write_overviews(report, out, files, tick)
     plot_hdi_by_layer(report, files.plot, title=title if title != "Head diversity report" else None)
     tick(1)
-    no_link(files.html).write_text(_page(report, files, title, source), encoding="utf-8")
+    no_link(files.html).write_text(_page(report, files, title, source, step), encoding="utf-8")
     tick(1)
     return files
