@@ -13,11 +13,14 @@
 * ``hdi_by_layer.png``: HDI per layer for every projection, with the chance level (random heads)
   and, where it is below 1, the frame-bound maximum (matplotlib, Agg canvas, no pyplot state);
 * ``index.html``: one page showing the training step the weights are from (or that it is
-  unknown), the table, the modules that were not measured (with
-  ``DiversityReport.skipped``), the plot and every matrix, in a grid that wraps to the window. It
-  is rendered from the jinja2 template ``templates/report.html.j2`` with autoescaping, so model
-  text (layer names, reasons) is always escaped. The pictures are embedded as ``data:`` URIs and
-  the style is inline, so the page can be mailed or archived on its own.
+  unknown), the table, the modules that were not measured (with ``DiversityReport.skipped``), the
+  plot and every matrix, in a grid that wraps to the window. It fits a 1,200 px window without
+  scrolling sideways: the table has one column per projection (the chance level once per layer
+  when the projections share it, the frame bound under an HDI only where it is below 1), long
+  names wrap, and the overview pictures are drawn 1,100 px wide. It is rendered from the jinja2
+  template ``templates/report.html.j2`` with autoescaping, so model text (layer names, reasons) is
+  always escaped. The pictures are embedded as ``data:`` URIs and the style is inline, so the page
+  can be mailed or archived on its own.
 """
 
 from __future__ import annotations
@@ -194,23 +197,35 @@ def _template() -> jinja2.Template:
     return env.get_template("report.html.j2")
 
 
-def _summary_rows(report: DiversityReport) -> list[dict[str, Any]]:
+def _shared_chance(report: DiversityReport) -> bool:
+    """True when every layer's projections share one chance level (as shown), so that the table
+    gives it once per layer; the usual case, every projection's heads being D x d."""
+    return all(len({_fmt(lay.chance_hdi.get(p)) for p in report.projections}) == 1 for lay in report.layers)
+
+
+def _summary_rows(report: DiversityReport, shared_chance: bool) -> list[dict[str, Any]]:
+    """One row per layer: one cell per projection (its HDI; under it the chance level unless
+    ``shared_chance``, and the frame bound where it is below 1)."""
     rows = []
     for lay in report.layers:
         cells = []
         for p in report.projections:
-            value, chance = lay.hdi.get(p), lay.chance_hdi.get(p)
+            value, chance, cap = lay.hdi.get(p), lay.chance_hdi.get(p), lay.max_hdi.get(p)
+            refs = [] if shared_chance else [f"chance {_fmt(chance)}"]
+            if cap is not None and not math.isnan(cap) and cap < 1 - 1e-9:
+                refs.append(f"max {_fmt(cap)}")
             cells.append(
                 {
                     "hdi": _fmt(value) + ("*" if lay.invalid_heads.get(p) else ""),
                     "low": value is not None and chance is not None and value < chance,
-                    "chance": _fmt(chance),
-                    "max": _fmt(lay.max_hdi.get(p)),
+                    "refs": refs,
                 }
             )
+        first = report.projections[0] if report.projections else None
         rows.append(
             {
                 "name": lay.name or "<root>",
+                "chance": _fmt(lay.chance_hdi.get(first)) if first else "\u2013",
                 "family": lay.family,
                 "heads": f"{lay.num_heads}" + ("" if lay.num_kv_heads == lay.num_heads else f"/{lay.num_kv_heads}"),
                 "head_dim": lay.head_dim,
@@ -311,6 +326,7 @@ def _write_overviews(report: DiversityReport, out: Path, files: ReportFiles, tic
 def _page(report: DiversityReport, files: ReportFiles, title: str, source: str | None, step: TrainingStep) -> str:
     """Render the page template (autoescaped) for ``report`` and the pictures in ``files``."""
     skipped = getattr(report, "skipped", None)  # DiversityReport.skipped: modules found but not measured
+    shared_chance = _shared_chance(report)
     return _template().render(
         title=title,
         source=source,
@@ -321,7 +337,8 @@ def _page(report: DiversityReport, files: ReportFiles, title: str, source: str |
         num_layers=len(report.layers),
         projections=report.projections,
         has_activations=any(lay.effective_heads is not None for lay in report.layers),
-        summary=_summary_rows(report),
+        shared_chance=shared_chance,
+        summary=_summary_rows(report, shared_chance),
         mean_hdi=[_fmt(report.mean_hdi(p)) for p in report.projections],
         skipped=None if skipped is None else list(skipped),
         plot_src=_data_uri(files.plot),
