@@ -1,4 +1,5 @@
-"""Cost of the dashboards: time and bytes per image step, event-file bytes per measurement.
+"""Cost of the dashboards: time and bytes per image step (the PNGs alone, and everything the event
+file grows by), event-file bytes per measurement.
 
 Runs the demo's model (`hdi_monitor.contrib.demo.CharLM`, D=128, 8 heads) at 4 and 24 layers
 through `HDITracker.measure` with a `SummaryWriter`, 20 measured steps with images every 5th
@@ -9,6 +10,7 @@ through `HDITracker.measure` with a `SummaryWriter`, 20 measured steps with imag
 
 from __future__ import annotations
 
+import io
 import statistics
 import sys
 import tempfile
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch.utils.tensorboard import SummaryWriter
 
 from hdi_monitor.contrib.demo import CharLM
@@ -39,6 +42,8 @@ def measure(num_layers: int) -> dict[str, float]:
         tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=IMAGES_EVERY, writer=writer)
         plain_t, plain_b, image_t, image_b = [], [], [], []
         draw_t: list[float] = []
+        png_b: list[int] = []
+        sizes: set[tuple[int, int]] = set()
         for step in range(STEPS):
             before = _event_bytes(log_dir)
             start = time.perf_counter()
@@ -60,8 +65,10 @@ def measure(num_layers: int) -> dict[str, float]:
                     m.report, tracker.history, step=step, projections=tracker.config.projections, activations=True
                 )
                 start = time.perf_counter()
-                render_job(job)  # what the worker does off the training step
+                images = render_job(job)  # what the worker does off the training step
                 draw_t.append(time.perf_counter() - start)
+                png_b.append(sum(len(png) for png in images.values()))
+                sizes |= {_png_size(png) for png in images.values()}
         writer.close()
         layers = len(tracker.layers)
     return {
@@ -71,7 +78,14 @@ def measure(num_layers: int) -> dict[str, float]:
         "image_s": statistics.median(image_t) - statistics.median(plain_t),
         "draw_s": statistics.median(draw_t),
         "image_bytes": statistics.median(image_b) - statistics.median(plain_b),
+        "png_bytes": statistics.median(png_b),
+        "sizes": ", ".join(f"{w} x {h}" for w, h in sorted(sizes)),
     }
+
+
+def _png_size(png: bytes) -> tuple[int, int]:
+    with Image.open(io.BytesIO(png)) as picture:
+        return picture.size
 
 
 def main() -> int:
@@ -86,13 +100,15 @@ def main() -> int:
         "(layout, levels text) is left out.",
         "",
         "| layers | event-file bytes per measurement (no images) | measurement time | extra time per image step "
-        "(on the training step) | drawing the 9 PNGs (on the background worker) | extra bytes per image step |",
-        "|---|---|---|---|---|---|",
+        "(on the training step) | drawing the 9 PNGs (on the background worker) | the 9 PNGs | "
+        "extra bytes per image step (PNGs and histograms) | picture sizes (px) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['layers']} | {r['plain_bytes'] / 1024:.1f} KiB | {r['plain_s'] * 1000:.0f} ms "
-            f"| {r['image_s'] * 1000:.0f} ms | {r['draw_s'] * 1000:.0f} ms | {r['image_bytes'] / 1024:.0f} KiB |"
+            f"| {r['image_s'] * 1000:.0f} ms | {r['draw_s'] * 1000:.0f} ms | {r['png_bytes'] / 1024:.0f} KiB "
+            f"| {r['image_bytes'] / 1024:.0f} KiB | {r['sizes']} |"
         )
     lines += [
         "",

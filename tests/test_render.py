@@ -20,8 +20,11 @@ import torch
 from torch import nn
 
 from hdi_monitor.monitor.render import (
+    CARD_PX,
     NAN_RGB,
     ImageJob,
+    MapPanel,
+    TilePanel,
     colour_table,
     diversity_map,
     heatmap,
@@ -153,7 +156,7 @@ def test_every_picture_kind_is_a_png_of_its_matrix(run):
     )
     assert png == images[0, "overlap/query"]  # what the sink got is this drawing
     rgb = _pixels(png)
-    assert rgb.shape[1] >= 400  # wide enough to read in TensorBoard's card
+    assert rgb.shape[1] == CARD_PX  # as wide as TensorBoard's Images card: shown pixel for pixel there
     shown = [t.split("\n")[0] for t in panel.titles]
     assert len(shown) == min(num_layers, 16) and all(names[k] in shown for k in planted)
     for k in planted:
@@ -201,7 +204,9 @@ def test_every_picture_kind_is_a_png_of_its_matrix(run):
         for j in range(3):
             got = _cell(rgb, left, top, geometry["pitch"], geometry["cell"], i, j)
             assert got == _expected_rgb(scalars[j, f"hdi/query/{name}"], "RdBu", 0.0, 1.0, centre=chance), (i, j)
-    assert bottom - top >= min(num_layers * 4, 100) and right - left >= 250  # cells of at least 4 px
+    # cells of at least 4 px, 3 steps across half the card or more; the picture as wide as the card
+    assert bottom - top >= min(num_layers * 4, 100) and right - left >= CARD_PX // 2
+    assert rgb.shape[1] == CARD_PX and min(rgb.shape[:2]) >= 256
 
     # the HTML report's picture of one matrix: the analytic matrix again
     geometry = {}
@@ -269,3 +274,70 @@ def test_drawing_imports_no_matplotlib():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def _solid_blocks(rgb: np.ndarray, colour: tuple) -> list[tuple[int, int, int, int]]:
+    """The connected regions of exactly ``colour``, each as (top, left, height, width); every one
+    must be a filled rectangle (no pixel of another colour inside its box)."""
+    from scipy import ndimage
+
+    mask = (rgb == np.array(colour, dtype=rgb.dtype)).all(axis=-1)
+    labels, _ = ndimage.label(mask)
+    blocks = []
+    for box in ndimage.find_objects(labels):
+        height, width = box[0].stop - box[0].start, box[1].stop - box[1].start
+        assert mask[box].all(), (colour, box)  # a uniform block
+        blocks.append((box[0].start, box[1].start, height, width))
+    return blocks
+
+
+@pytest.mark.parametrize("num_layers, min_cell", [(1, 48), (2, 32), (3, 32), (4, 32), (16, 12)])
+def test_small_head_matrices_are_large_whole_pixel_blocks_in_the_card(num_layers, min_cell):
+    # what the dashboards log (render_job) for layers of 4 heads: decoded independently of the
+    # drawing code, every cell of every tile must be a uniform square block, all of one size (a
+    # whole-pixel, nearest-neighbour upscale), of the colour matplotlib's viridis gives the value;
+    # the picture as wide as TensorBoard's Images card (shown there pixel for pixel: the card is
+    # 350 px wide whatever the image, so a wider one is shrunk) and at least 256 px high.
+    from matplotlib import colormaps
+
+    bar = {round(255 * k / 63) for k in range(64)}  # the colour bar's own entries (see _bar)
+    entries = [k for k in range(8, 250, 7) if k not in bar][:16]
+    matrix = torch.tensor(entries, dtype=torch.float64).reshape(4, 4) / 255  # one table entry per cell
+    panel = TilePanel(
+        tag="overlap/query",
+        matrices=tuple(matrix.clone() for _ in range(num_layers)),
+        titles=tuple(f"layers.{i}.self_attn\nHDI 0.5{i:02d}" for i in range(num_layers)),
+        vmin=0.0,
+        vmax=1.0,
+        cmap="viridis",
+        title="query subspace overlap of head pairs",
+        colorbar_label="overlap",
+    )
+    steps = (0, 25, 50, 75, 100, 125, 150, 175)
+    values = torch.rand(num_layers, len(steps), generator=torch.Generator().manual_seed(0))
+    names = tuple(f"layers.{i}.self_attn" for i in range(num_layers))
+    chart = MapPanel("diversity_map/query", values, names, steps, 0.8, "HDI (query) by layer and measured step")
+    images = render_job(ImageJob(step=175, maps=(chart,), tiles=(panel,)))
+    rgb = _pixels(images["overlap/query"])
+    height, width = rgb.shape[:2]
+    assert width == CARD_PX and height >= 256
+    sides = set()
+    corners = {}
+    for k, entry in enumerate(entries):
+        expected = tuple(int(round(255 * c)) for c in colormaps["viridis"](entry)[:3])
+        blocks = _solid_blocks(rgb, expected)
+        assert len(blocks) == num_layers, (entry, len(blocks))  # one cell per tile, nothing else of its colour
+        sides |= {(h, w) for _, _, h, w in blocks}
+        corners[divmod(k, 4)] = sorted(blocks)[0][:2]  # the first tile's cell (row, column)
+    assert len(sides) == 1
+    ((side, other),) = sides
+    assert side == other >= min_cell  # square cells of min_cell px or more, on screen too
+    for i in range(4):  # the cells sit on a grid in the matrix's order, one cell (and a line) apart
+        for j in range(4):
+            top, left = corners[i, j]
+            assert (top - corners[0, 0][0], left - corners[0, 0][1]) in {
+                (i * side, j * side),
+                (i * (side + 1), j * (side + 1)),
+            }
+    diversity = _pixels(images["diversity_map/query"])
+    assert diversity.shape[1] == CARD_PX and diversity.shape[0] >= 256

@@ -34,6 +34,13 @@ def json_roundtrip(obj):
     return json.loads(json.dumps(obj))
 
 
+def report_and_step(out: str) -> tuple[dict, dict]:
+    """The JSON on stdout split into the report (`DiversityReport.to_dict`) and its training_step."""
+    got = json.loads(out)
+    step = got.pop("training_step")
+    return got, step
+
+
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     code = main(["report", *map(str, argv)])
     out, err = capsys.readouterr()
@@ -126,9 +133,11 @@ def tiny_bert(tmp_path_factory):
 def test_json_equals_head_diversity_on_minilm(capsys, minilm, options, kwargs):
     code, out, err = run_cli(capsys, MINILM, "--json", *options)
     assert code == 0, err
-    got = json.loads(out)  # stdout holds the JSON and nothing else
+    got, step = report_and_step(out)  # stdout holds the JSON and nothing else
     expected = json_roundtrip(head_diversity(minilm, **kwargs).to_dict())
     assert got == expected  # exact floats
+    # a from_pretrained folder records no training step: said, not guessed
+    assert step == {"step": None, "source": "a Hugging Face model folder without trainer_state.json records no step"}
     assert len(got["layers"]) == (2 if kwargs else 6)
     if "--progress" in options:
         assert "hdi-monitor report" in err  # the bar is on stderr
@@ -199,9 +208,11 @@ def test_lightning_checkpoint_round_trips(capsys, lightning_ckpt):
     )
     assert code == 0, err
     expected = head_diversity(model, projections=("query", "key", "value", "output")).to_dict()
-    assert json.loads(out) == json_roundtrip(expected)
+    got, step = report_and_step(out)
+    assert got == json_roundtrip(expected)
+    assert step == {"step": 2, "source": "global_step of the Lightning checkpoint"}  # the fixture trained 2 steps
     untrained = head_diversity(CharLM(d_model=32, num_heads=4, num_layers=2, seq_len=16))
-    assert json.loads(out)["layers"][0]["hdi"]["key"] != untrained.layers[0].hdi["key"]
+    assert got["layers"][0]["hdi"]["key"] != untrained.layers[0].hdi["key"]
 
 
 def test_lightning_checkpoint_with_tensor_inputs(capsys, lightning_ckpt, tmp_path):
@@ -228,7 +239,9 @@ def test_state_dict_with_config(capsys, tiny_bert, weights, config, which):
     assert code == 0, err
     model = mlm if which == "mlm" else base
     expected = head_diversity(model, projections=("query", "key", "value", "output")).to_dict()
-    assert json.loads(out) == json_roundtrip(expected)
+    got, step = report_and_step(out)
+    assert got == json_roundtrip(expected)
+    assert step == {"step": None, "source": "a state_dict records no step"}
 
 
 def test_pickled_module_needs_allow_pickle(capsys, tmp_path):
@@ -241,7 +254,89 @@ def test_pickled_module_needs_allow_pickle(capsys, tmp_path):
     assert code == 2 and "--allow-pickle" in err
     code, out, err = run_cli(capsys, tmp_path / "whole.pt", "--json", "--allow-pickle")
     assert code == 0, err
-    assert json.loads(out) == json_roundtrip(head_diversity(model).to_dict())
+    got, step = report_and_step(out)
+    assert got == json_roundtrip(head_diversity(model).to_dict())
+    assert step == {"step": None, "source": "a pickled module records no step"}
+
+
+# ----------------------------------------------------------------------------------- training step
+
+
+def _page_step(html: str) -> str:
+    """The text of the page's training-step line, tags removed."""
+    match = re.search(r'<p class="step">(.*?)</p>', html, re.S)
+    assert match, "the page states no training step"
+    return re.sub(r"<[^>]+>", "", match.group(1))
+
+
+def test_training_step_from_a_lightning_checkpoint(capsys, tmp_path, lightning_ckpt):
+    path, _ = lightning_ckpt
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    checkpoint["global_step"] = 1234  # a step the training did not reach: it can only come from this field
+    torch.save(checkpoint, tmp_path / "step.ckpt")
+    argv = [tmp_path / "step.ckpt", "--module", "hdi_monitor.contrib.demo.CharLM", "--projections", "key"]
+    code, out, err = run_cli(capsys, *argv, "--out", tmp_path / "page")
+    assert code == 0, err
+    assert out.splitlines()[0] == "step.ckpt: training step 1234 (global_step of the Lightning checkpoint)"
+    assert out.splitlines()[1].startswith("head diversity (")  # the table follows
+    assert _page_step((tmp_path / "page" / "index.html").read_text()) == (
+        "Training step 1234 · global_step of the Lightning checkpoint"
+    )
+    code, out, err = run_cli(capsys, *argv, "--json")
+    assert code == 0, err
+    assert json.loads(out)["training_step"] == {"step": 1234, "source": "global_step of the Lightning checkpoint"}
+
+    del checkpoint["global_step"]
+    torch.save(checkpoint, tmp_path / "no_step.ckpt")
+    code, out, err = run_cli(capsys, tmp_path / "no_step.ckpt", *argv[1:], "--json")
+    assert code == 0, err
+    assert json.loads(out)["training_step"] == {"step": None, "source": "the Lightning checkpoint has no global_step"}
+
+
+def test_training_step_from_a_hugging_face_trainer_folder(capsys, tmp_path, tiny_bert):
+    _, _, base = tiny_bert
+    # the Trainer names the folder checkpoint-<global_step>; the numbers differ here so that the test
+    # tells which one is read: the record (trainer_state.json), never the folder's name
+    folder = tmp_path / "checkpoint-500"
+    base.save_pretrained(folder)
+    capsys.readouterr()  # what saving printed (deepspeed's accelerator line, where it is installed) is not the CLI's
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 480, "epoch": 1.5, "log_history": []}))
+    code, out, err = run_cli(capsys, folder, "--projections", "key", "--out", tmp_path / "page")
+    assert code == 0, err
+    first = out.splitlines()[0]
+    assert first == f"{tmp_path.name}/checkpoint-500: training step 480 (global_step in trainer_state.json)"
+    assert _page_step((tmp_path / "page" / "index.html").read_text()) == (
+        "Training step 480 · global_step in trainer_state.json"
+    )
+    code, out, err = run_cli(capsys, folder, "--json")
+    assert code == 0, err
+    assert json.loads(out)["training_step"] == {"step": 480, "source": "global_step in trainer_state.json"}
+
+    (folder / "trainer_state.json").write_text("{not json")
+    code, out, err = run_cli(capsys, folder, "--json")
+    assert code == 0, err  # the weights are still measured; the step is unknown, and why
+    step = json.loads(out)["training_step"]
+    assert step["step"] is None and step["source"].startswith("its trainer_state.json cannot be read (")
+
+    (folder / "trainer_state.json").unlink()  # a from_pretrained folder: the name says 500, nothing records it
+    code, out, err = run_cli(capsys, folder, "--projections", "key", "--out", tmp_path / "page", "--force")
+    assert code == 0, err
+    expected = "training step unknown: a Hugging Face model folder without trainer_state.json records no step"
+    assert out.splitlines()[0] == f"{tmp_path.name}/checkpoint-500: {expected}"
+    assert _page_step((tmp_path / "page" / "index.html").read_text()) == (
+        "Training step unknown · a Hugging Face model folder without trainer_state.json records no step"
+    )
+
+
+def test_training_step_of_a_state_dict_is_unknown(capsys, tmp_path, tiny_bert):
+    folder, _, _ = tiny_bert
+    argv = [folder / "base.pt", "--config", folder / "cfg", "--projections", "key"]
+    code, out, err = run_cli(capsys, *argv, "--out", tmp_path / "page")
+    assert code == 0, err
+    assert out.splitlines()[0] == "base.pt: training step unknown: a state_dict records no step"
+    assert _page_step((tmp_path / "page" / "index.html").read_text()) == (
+        "Training step unknown · a state_dict records no step"
+    )
 
 
 # ------------------------------------------------------------------------------------------ bad input

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import html
+import json
 import re
+import shutil
+import subprocess
 from dataclasses import dataclass
 from html.parser import HTMLParser
 
@@ -14,6 +18,7 @@ import torch
 from PIL import Image
 
 from hdi_monitor import head_diversity
+from hdi_monitor.cli._load import TrainingStep
 from hdi_monitor.cli.html import write_report
 from hdi_monitor.monitor.render import colour_table, tiled_heatmaps
 
@@ -101,9 +106,9 @@ def test_layer_names_and_title_are_escaped(tmp_path):
     # the HDI shown is the one computed by hand from the module's own key weight
     d_model = 16
     key_weight = model[EVIL].in_proj_weight[d_model : 2 * d_model]
-    assert summary[5] == f"{_spectral_hdi(key_weight, 4):.3f}"
+    assert summary[6] == f"{_spectral_hdi(key_weight, 4):.3f}"
     # the chance column is the analytic spectral level 1 - d / (D + d + 1)
-    assert summary[6] == f"{1 - 4 / (16 + 4 + 1):.3f}"
+    assert summary[5] == f"{1 - 4 / (16 + 4 + 1):.3f}"
     assert page.h3 == [f"0 · {EVIL}"]
     assert f"key overlap of {EVIL}" in [i["alt"] for i in page.images()]  # attributes escaped and read back intact
 
@@ -171,6 +176,7 @@ def test_every_picture_on_the_page_is_a_written_png(tmp_path):
         title="key subspace overlap of head pairs, every layer",
         colorbar_label="overlap (1: same subspace)",
         max_columns=8,
+        width=1100,
         geometry=geometry,
     )
     assert again == files.overview["key"].read_bytes()
@@ -217,3 +223,129 @@ def test_page_keeps_its_legend_plot_and_scales_the_matrix_grid(tmp_path):
 def test_write_report_rejects_a_non_report(tmp_path):
     with pytest.raises(TypeError, match="DiversityReport"):
         write_report({"layers": []}, tmp_path)
+
+
+def _deep_report(layers: int = 12) -> object:
+    """All four projections and head-output statistics of a model with many layers and a long,
+    unbroken layer name: what makes a wide table."""
+    torch.manual_seed(0)
+    long_name = "encoder_with_a_long_name_" * 6
+    model = torch.nn.ModuleDict(
+        {
+            long_name: torch.nn.TransformerEncoder(
+                torch.nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, dropout=0.0),
+                layers,
+                enable_nested_tensor=False,
+            )
+        }
+    ).eval()
+    module = model[long_name]
+    report = head_diversity(module, projections=("query", "key", "value", "output"), inputs=torch.randn(2, 6, 16))
+    layers_named = [dataclasses.replace(lay, name=f"{long_name}.{lay.name}") for lay in report.layers]
+    skipped = [SkippedModule("a." * 40 + "attn", "Fancy" * 12, "unknown layout: " + "no q/k/v projections " * 10)]
+    return dataclasses.replace(report, layers=layers_named, skipped=skipped)
+
+
+def test_summary_table_has_one_column_per_projection(tmp_path):
+    report = _deep_report()
+    page = Page(write_report(report, tmp_path).html.read_text())
+    header = page.rows[0]
+    # layer, family, heads, d, D, chance once (the projections share it), one column per projection,
+    # then H_eff, mean R, tokens: 13 columns, not 5 + 3 per projection + 3 (20)
+    assert header == [
+        "layer", "family", "heads", "d", "D", "chance", "query HDI", "key HDI", "value HDI", "output HDI",
+        "Heff", "mean R", "tokens",
+    ]  # fmt: skip
+    for lay, row in zip(report.layers, page.rows[1 : 1 + len(report.layers)], strict=True):
+        assert len(row) == len(header) and row[0] == lay.name
+        assert row[5] == f"{lay.chance_hdi['key']:.3f}"
+        assert row[6:10] == [f"{lay.hdi[p]:.3f}" for p in ("query", "key", "value", "output")]  # max is 1: not shown
+    assert page.rows[1 + len(report.layers)][6:10] == [f"{report.mean_hdi(p):.3f}" for p in report.projections]
+
+    # a frame bound below 1 is shown under its HDI; chance levels that differ go under each HDI
+    first = report.layers[0]
+    odd = dataclasses.replace(
+        first,
+        max_hdi={**first.max_hdi, "key": 0.875},
+        chance_hdi={**first.chance_hdi, "value": 0.5},
+    )
+    report = dataclasses.replace(report, layers=[odd, *report.layers[1:]])
+    page = Page(write_report(report, tmp_path / "odd").html.read_text())
+    assert "chance" not in page.rows[0] and len(page.rows[0]) == 12
+    row = page.rows[1]
+    assert row[5:9] == [
+        f"{odd.hdi['query']:.3f}chance {odd.chance_hdi['query']:.3f}",
+        f"{odd.hdi['key']:.3f}chance {odd.chance_hdi['key']:.3f}max 0.875",
+        f"{odd.hdi['value']:.3f}chance 0.500",
+        f"{odd.hdi['output']:.3f}chance {odd.chance_hdi['output']:.3f}",
+    ]
+
+
+def _chromium() -> str | None:
+    return next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
+_MEASURE = """<script>addEventListener("load", () => {
+  const d = document.documentElement;
+  const scrolled = [...document.querySelectorAll("body *")]
+    .filter(e => e.scrollWidth > e.clientWidth + 1 && getComputedStyle(e).overflowX !== "visible")
+    .map(e => e.tagName);
+  const beyond = [...document.querySelectorAll("body *")]
+    .filter(e => e.getBoundingClientRect().right > d.clientWidth + 0.5).map(e => e.tagName);
+  document.body.setAttribute("data-measured", JSON.stringify(
+    {scrollWidth: d.scrollWidth, clientWidth: d.clientWidth, scrolled: scrolled, beyond: beyond}));
+});</script>"""
+
+
+@pytest.mark.skipif(_chromium() is None, reason="needs a headless Chromium (Debian package chromium)")
+def test_page_fits_a_1200px_window_in_chromium(tmp_path):
+    # the page of a deep report with all projections, head-output statistics, long unbroken names
+    # and a long skipped-module reason, laid out by a real browser at a 1,200 px window: nothing is
+    # wider than the window and nothing scrolls sideways (the old 20-column table did, in a scroll box)
+    files = write_report(_deep_report(), tmp_path / "r", step=TrainingStep(1234, "global_step of the checkpoint"))
+    probe = tmp_path / "probe.html"  # a copy with a measuring script: the page itself has none
+    probe.write_text(files.html.read_text().replace("</body>", _MEASURE + "</body>"))
+    proc = subprocess.run(
+        [
+            _chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--window-size=1200,900",
+            "--virtual-time-budget=5000",
+            "--dump-dom",
+            probe.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    match = re.search(r'data-measured="([^"]*)"', proc.stdout)
+    assert match, proc.stderr[-2000:]
+    measured = json.loads(html.unescape(match.group(1)))
+    assert 1100 <= measured["clientWidth"] <= 1200  # the window (less a scroll bar, if any)
+    assert measured["scrollWidth"] <= measured["clientWidth"], measured
+    assert measured["scrolled"] == [] and measured["beyond"] == [], measured
+
+
+def test_page_states_the_training_step(tmp_path):
+    report = head_diversity(_encoder(), projections=("key",))
+
+    def step_line(**kwargs) -> str:
+        text = write_report(report, tmp_path / str(len(list(tmp_path.iterdir()))), **kwargs).html.read_text()
+        match = re.search(r'<p class="step">(.*?)</p>', text, re.S)
+        assert match
+        return re.sub(r"<[^>]+>", "", match.group(1))
+
+    assert step_line(step=TrainingStep(1234, "global_step of the Lightning checkpoint")) == (
+        "Training step 1234 · global_step of the Lightning checkpoint"
+    )
+    assert step_line(step=TrainingStep(None, "a state_dict records no step")) == (
+        "Training step unknown · a state_dict records no step"
+    )
+    assert step_line(step=77) == "Training step 77 · given with the report"
+    assert step_line() == "Training step unknown · none was given with the report"
+    for bad in ("77", True, -1, 7.0):
+        with pytest.raises(TypeError, match="step must be"):
+            write_report(report, tmp_path / "bad", step=bad)

@@ -1,8 +1,9 @@
 """Loading what ``hdi-monitor report`` and ``prune`` measure: the model (a Hugging Face folder, a
 Lightning checkpoint with ``--module``, a plain ``state_dict`` with ``--config``, a pickled module
-with ``--allow-pickle``) and the ``--inputs`` (a text file tokenized in batches, or a ``.pt`` file).
-Files are read with ``torch.load(weights_only=True)`` unless ``--allow-pickle``; every failure is a
-one-line `CLIError`."""
+with ``--allow-pickle``), the training step its weights are from (`TrainingStep`, as the source
+records it, never guessed) and the ``--inputs`` (a text file tokenized in batches, or a ``.pt``
+file). Files are read with ``torch.load(weights_only=True)`` unless ``--allow-pickle``; every
+failure is a one-line `CLIError`."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ import argparse
 import contextlib
 import importlib
 import inspect
+import json
 import os
 import sys
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hdi_monitor.cli._common import CLIError
 
-__all__ = ["load_inputs", "load_model", "one_line"]
+__all__ = ["TrainingStep", "load_inputs", "load_model", "one_line"]
 
 _TEXT_BATCH = 16  # lines per batch for --inputs text files
 
@@ -51,6 +54,80 @@ def _quiet_transformers() -> Iterator[Any]:
         logging.set_verbosity(verbosity)
         if bars:
             logging.enable_progress_bar()
+
+
+@dataclass(frozen=True)
+class TrainingStep:
+    """The training step that a loaded model's weights are from, as its source records it.
+
+    Attributes:
+        step: the step, or None when the source records none (a ``from_pretrained`` folder without
+            ``trainer_state.json``, a state_dict, a pickled module). Never guessed: a folder named
+            ``checkpoint-500`` without ``trainer_state.json`` has no known step.
+        source: where the step was read (``"global_step of the Lightning checkpoint"``), or why
+            there is none.
+    """
+
+    step: int | None
+    source: str
+
+    def describe(self) -> str:
+        """``"training step 200 (global_step of the Lightning checkpoint)"``, or ``"training step
+        unknown: <why>"``."""
+        if self.step is None:
+            return f"training step unknown: {self.source}"
+        return f"training step {self.step} ({self.source})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"step": int or None, "source": str}``."""
+        return {"step": self.step, "source": self.source}
+
+
+def _recorded_step(value: Any) -> int | None:
+    """A step as a checkpoint stores it (an int, or a 0-d integer tensor); None for anything else."""
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point():
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _lightning_step(path: Path, allow_pickle: bool) -> TrainingStep:
+    """``global_step`` of a Lightning checkpoint that `_load_lightning` has already read. The file is
+    opened again memory-mapped (``torch.load(mmap=True)``), so no tensor is read a second time."""
+    import torch
+
+    try:
+        try:
+            checkpoint = torch.load(str(path), map_location="cpu", weights_only=not allow_pickle, mmap=True)
+        except RuntimeError:  # a legacy (non-zip) file cannot be memory-mapped: read it whole
+            checkpoint = torch.load(str(path), map_location="cpu", weights_only=not allow_pickle)
+    except Exception as err:  # noqa: BLE001 - the model is loaded; say why its step is not known
+        return TrainingStep(None, f"the checkpoint could not be read again for its global_step ({one_line(err)})")
+    raw = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
+    step = _recorded_step(raw)
+    if step is None:
+        why = "has no global_step" if raw is None else f"has a global_step that is not a step count ({raw!r})"
+        return TrainingStep(None, f"the Lightning checkpoint {why}")
+    return TrainingStep(step, "global_step of the Lightning checkpoint")
+
+
+def _folder_step(folder: Path) -> TrainingStep:
+    """The step of a Hugging Face model folder: ``global_step`` of the ``trainer_state.json`` that the
+    Trainer writes into every ``checkpoint-N`` folder; unknown without one (the folder's name is
+    not read: it is not a record)."""
+    state_file = folder / "trainer_state.json"
+    if not state_file.is_file():
+        return TrainingStep(None, "a Hugging Face model folder without trainer_state.json records no step")
+    try:
+        state = json.loads(state_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        return TrainingStep(None, f"its trainer_state.json cannot be read ({one_line(err)})")
+    raw = state.get("global_step") if isinstance(state, dict) else None
+    step = _recorded_step(raw)
+    if step is None:
+        return TrainingStep(None, "its trainer_state.json has no global_step")
+    return TrainingStep(step, "global_step in trainer_state.json")
 
 
 def _check_complete(path: Path, what: str) -> None:
@@ -327,8 +404,8 @@ def _text_tokenizer(args: argparse.Namespace, default: str | None) -> Any:
     return tokenizer
 
 
-def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
-    """Load PATH as described by the options. Returns ``(model, tokenizer or None)``."""
+def load_model(args: argparse.Namespace) -> tuple[Any, Any, TrainingStep]:
+    """Load PATH as described by the options. Returns ``(model, tokenizer or None, training step)``."""
     from torch import nn
 
     path = Path(args.path)
@@ -339,7 +416,8 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
             raise CLIError(
                 "--module and --config exclude each other (--module: Lightning checkpoint; --config: plain state_dict)"
             )
-        return _load_lightning(path, args.module, args.allow_pickle), _text_tokenizer(args, None)
+        model = _load_lightning(path, args.module, args.allow_pickle)
+        return model, _text_tokenizer(args, None), _lightning_step(path, args.allow_pickle)
     if path.is_dir():
         if args.config:
             raise CLIError("--config is for a plain state_dict file; a Hugging Face folder brings its own config.json")
@@ -350,10 +428,10 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
                 model = transformers.AutoModel.from_pretrained(str(path), local_files_only=True)
             except Exception as err:  # noqa: BLE001
                 raise CLIError(f"cannot load a Hugging Face model from {args.path!r} ({one_line(err)})") from err
-        return model, _text_tokenizer(args, str(path))
+        return model, _text_tokenizer(args, str(path)), _folder_step(path)
     obj = _torch_load(path, args.allow_pickle, "PATH")
     if isinstance(obj, nn.Module):
-        return obj, None
+        return obj, None, TrainingStep(None, "a pickled module records no step")
     if _is_lightning_checkpoint(obj):
         raise CLIError(f"{args.path!r} is a Lightning checkpoint: pass --module package.Class (your LightningModule)")
     state = _as_state_dict(obj)
@@ -366,7 +444,8 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
             f"{args.path!r} is a plain state_dict: pass --config with the Hugging Face config.json that built it"
         )
     model = _load_state_dict_model(path, state, args.config)
-    return model, _text_tokenizer(args, str(_config_path(args.config).parent))
+    step = TrainingStep(None, "a state_dict records no step")
+    return model, _text_tokenizer(args, str(_config_path(args.config).parent)), step
 
 
 def load_inputs(path_str: str, model: Any, tokenizer: Any, allow_pickle: bool) -> Any:

@@ -12,11 +12,15 @@
   pictures, here with every layer), so that 80 layers read at a glance;
 * ``hdi_by_layer.png``: HDI per layer for every projection, with the chance level (random heads)
   and, where it is below 1, the frame-bound maximum (matplotlib, Agg canvas, no pyplot state);
-* ``index.html``: one page showing the table, the modules that were not measured (with
-  ``DiversityReport.skipped``), the plot and every matrix, in a grid that wraps to the window. It
-  is rendered from the jinja2 template ``templates/report.html.j2`` with autoescaping, so model
-  text (layer names, reasons) is always escaped. The pictures are embedded as ``data:`` URIs and
-  the style is inline, so the page can be mailed or archived on its own.
+* ``index.html``: one page showing the training step the weights are from (or that it is
+  unknown), the table, the modules that were not measured (with ``DiversityReport.skipped``), the
+  plot and every matrix, in a grid that wraps to the window. It fits a 1,200 px window without
+  scrolling sideways: the table has one column per projection (the chance level once per layer
+  when the projections share it, the frame bound under an HDI only where it is below 1), long
+  names wrap, and the overview pictures are drawn 1,100 px wide. It is rendered from the jinja2
+  template ``templates/report.html.j2`` with autoescaping, so model text (layer names, reasons) is
+  always escaped. The pictures are embedded as ``data:`` URIs and the style is inline, so the page
+  can be mailed or archived on its own.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 from torch import Tensor
 
 from hdi_monitor.cli._common import no_link
+from hdi_monitor.cli._load import TrainingStep
 from hdi_monitor.monitor.render import colorbar_lut, heatmap, layer_labels, tiled_heatmaps
 from hdi_monitor.report import ACTIVATIONS, DiversityReport
 
@@ -46,8 +51,9 @@ Progress = Callable[[int], object]
 
 # Width range of one matrix picture on the page: the grid fits as many columns as the window allows.
 _CELL_MIN_PX, _CELL_MAX_PX = 170, 300
-# Tiles per row of an overview picture (about 950 px wide for 8 heads).
-_OVERVIEW_COLUMNS = 8
+# Tiles per row of an overview picture, and its width: the page's content at a 1,200 px window
+# (24 px margins) is 1,152 px, so the picture shows pixel for pixel there.
+_OVERVIEW_COLUMNS, _OVERVIEW_PX = 8, 1100
 
 
 @dataclass
@@ -191,23 +197,35 @@ def _template() -> jinja2.Template:
     return env.get_template("report.html.j2")
 
 
-def _summary_rows(report: DiversityReport) -> list[dict[str, Any]]:
+def _shared_chance(report: DiversityReport) -> bool:
+    """True when every layer's projections share one chance level (as shown), so that the table
+    gives it once per layer; the usual case, every projection's heads being D x d."""
+    return all(len({_fmt(lay.chance_hdi.get(p)) for p in report.projections}) == 1 for lay in report.layers)
+
+
+def _summary_rows(report: DiversityReport, shared_chance: bool) -> list[dict[str, Any]]:
+    """One row per layer: one cell per projection (its HDI; under it the chance level unless
+    ``shared_chance``, and the frame bound where it is below 1)."""
     rows = []
     for lay in report.layers:
         cells = []
         for p in report.projections:
-            value, chance = lay.hdi.get(p), lay.chance_hdi.get(p)
+            value, chance, cap = lay.hdi.get(p), lay.chance_hdi.get(p), lay.max_hdi.get(p)
+            refs = [] if shared_chance else [f"chance {_fmt(chance)}"]
+            if cap is not None and not math.isnan(cap) and cap < 1 - 1e-9:
+                refs.append(f"max {_fmt(cap)}")
             cells.append(
                 {
                     "hdi": _fmt(value) + ("*" if lay.invalid_heads.get(p) else ""),
                     "low": value is not None and chance is not None and value < chance,
-                    "chance": _fmt(chance),
-                    "max": _fmt(lay.max_hdi.get(p)),
+                    "refs": refs,
                 }
             )
+        first = report.projections[0] if report.projections else None
         rows.append(
             {
                 "name": lay.name or "<root>",
+                "chance": _fmt(lay.chance_hdi.get(first)) if first else "\u2013",
                 "family": lay.family,
                 "heads": f"{lay.num_heads}" + ("" if lay.num_kv_heads == lay.num_heads else f"/{lay.num_kv_heads}"),
                 "head_dim": lay.head_dim,
@@ -282,6 +300,7 @@ def _write_overviews(report: DiversityReport, out: Path, files: ReportFiles, tic
                 title=f"{p} subspace overlap of head pairs, every layer",
                 colorbar_label="overlap (1: same subspace)",
                 max_columns=_OVERVIEW_COLUMNS,
+                width=_OVERVIEW_PX,
             )
             files.overview[p] = out / f"overview_{p}.png"
             no_link(files.overview[p]).write_bytes(png)
@@ -297,24 +316,29 @@ def _write_overviews(report: DiversityReport, out: Path, files: ReportFiles, tic
             title="head-output correlation, every layer",
             colorbar_label="correlation",
             max_columns=_OVERVIEW_COLUMNS,
+            width=_OVERVIEW_PX,
         )
         files.overview["correlation"] = out / "overview_correlation.png"
         no_link(files.overview["correlation"]).write_bytes(png)
         tick(1)
 
 
-def _page(report: DiversityReport, files: ReportFiles, title: str, source: str | None) -> str:
+def _page(report: DiversityReport, files: ReportFiles, title: str, source: str | None, step: TrainingStep) -> str:
     """Render the page template (autoescaped) for ``report`` and the pictures in ``files``."""
     skipped = getattr(report, "skipped", None)  # DiversityReport.skipped: modules found but not measured
+    shared_chance = _shared_chance(report)
     return _template().render(
         title=title,
         source=source,
+        step="unknown" if step.step is None else str(step.step),
+        step_source=step.source,
         stamp=_dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
         weighting=report.weighting,
         num_layers=len(report.layers),
         projections=report.projections,
         has_activations=any(lay.effective_heads is not None for lay in report.layers),
-        summary=_summary_rows(report),
+        shared_chance=shared_chance,
+        summary=_summary_rows(report, shared_chance),
         mean_hdi=[_fmt(report.mean_hdi(p)) for p in report.projections],
         skipped=None if skipped is None else list(skipped),
         plot_src=_data_uri(files.plot),
@@ -334,6 +358,7 @@ def write_report(
     *,
     title: str | None = None,
     source: str | None = None,
+    step: TrainingStep | int | None = None,
     progress: Progress | None = None,
 ) -> ReportFiles:
     """Write heatmap PNGs, the HDI-by-layer plot and ``index.html`` for ``report`` into ``out_dir``.
@@ -343,6 +368,9 @@ def write_report(
         out_dir: the folder (created if missing; files of the same names are overwritten).
         title: page and plot title (default ``"Head diversity report"``).
         source: shown on the page (e.g. the model path).
+        step: the training step the weights are from, stated under the title: a `TrainingStep`
+            (where it was read, as ``hdi-monitor report`` finds it), or a step number the caller
+            vouches for; None says the step is unknown.
         progress: called with ``1`` after each file (``tqdm.update`` fits), see `figure_count`.
 
     Returns:
@@ -350,6 +378,12 @@ def write_report(
     """
     if not isinstance(report, DiversityReport):
         raise TypeError(f"report must be a DiversityReport, got {type(report).__name__}")
+    if step is None:
+        step = TrainingStep(None, "none was given with the report")
+    elif not isinstance(step, TrainingStep):
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise TypeError(f"step must be a TrainingStep, a step number or None, got {step!r}")
+        step = TrainingStep(step, "given with the report")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out_dir {str(out)!r} exists and is not a directory")
@@ -373,6 +407,6 @@ def write_report(
     _write_overviews(report, out, files, tick)
     plot_hdi_by_layer(report, files.plot, title=title if title != "Head diversity report" else None)
     tick(1)
-    no_link(files.html).write_text(_page(report, files, title, source), encoding="utf-8")
+    no_link(files.html).write_text(_page(report, files, title, source, step), encoding="utf-8")
     tick(1)
     return files

@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     from hdi_monitor.models.hooks import iter_batches
 
     rankings_wanted = list(dict.fromkeys(args.rank or ["diversity", "importance", "random"]))
-    model, tokenizer = load_model(args)
+    model, tokenizer, _ = load_model(args)
     model.eval()
     batches = list(iter_batches(load_inputs(args.inputs, model, tokenizer, args.allow_pickle)))
     if len(batches) < 2:

@@ -13,9 +13,13 @@ PATH is one of
 * with ``--allow-pickle`` only, a whole pickled ``nn.Module`` saved by ``torch.save(model)``.
 
 Files are read with ``torch.load(weights_only=True)``; ``--allow-pickle`` lifts that for files you
-trust (unpickling can run code). The output is a table (default), the JSON of
-`to_dict` (``--json``, nothing else on stdout), and with
-``--out DIR`` heatmaps, an HDI-by-layer plot and a self-contained ``index.html``.
+trust (unpickling can run code). The output is a table (default) under a line that names the
+model and its training step, the JSON of `to_dict` with a ``training_step`` field (``--json``,
+nothing else on stdout), and with ``--out DIR`` heatmaps, an HDI-by-layer plot and a
+self-contained ``index.html`` that states the step too. The step is the one the source records
+(`hdi_monitor.cli._load.TrainingStep`: a Lightning checkpoint's ``global_step``, the
+``global_step`` of a Hugging Face Trainer folder's ``trainer_state.json``); a source that records
+none (a ``from_pretrained`` folder, a state_dict) is said to have an unknown step.
 """
 
 from __future__ import annotations
@@ -65,7 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cpu", help="device to measure on (default: cpu)")
     parser.add_argument(
-        "--json", action="store_true", help="print the report as JSON on stdout (DiversityReport.to_dict schema)"
+        "--json",
+        action="store_true",
+        help="print the report as JSON on stdout (the DiversityReport.to_dict schema, and training_step: "
+        "{step: N or null, source: where it was read})",
     )
     parser.add_argument("--out", metavar="DIR", help="write heatmap PNGs, an HDI-by-layer plot and index.html here")
     parser.add_argument(
@@ -203,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device(args.device)
     except RuntimeError as err:
         raise CLIError(f"--device {args.device!r}: {_one_line(err)}") from err
-    model, tokenizer = load_model(args)
+    model, tokenizer, step = load_model(args)
     model.eval()
     layers = find_layers(model, args)
     inputs = target = None
@@ -235,25 +242,28 @@ def run(args: argparse.Namespace) -> int:
             model, projections, args.weighting, inputs, args.max_tokens, args.layers, progress=bar.update, call=target
         )
         files = None
+        resolved = Path(args.path).resolve()
+        name = f"{resolved.parent.name}/{resolved.name}" if resolved.is_dir() else resolved.name
         if args.out:
             from hdi_monitor.cli.html import figure_count, write_report
 
             bar.total += figure_count(report)
             bar.set_postfix_str("figures", refresh=True)
-            resolved = Path(args.path).resolve()
-            name = f"{resolved.parent.name}/{resolved.name}" if resolved.is_dir() else resolved.name
             title = f"Head diversity: {name}"
             try:
-                files = write_report(report, args.out, title=title, source=str(args.path), progress=bar.update)
+                files = write_report(
+                    report, args.out, title=title, source=str(args.path), step=step, progress=bar.update
+                )
             except OSError as err:
                 raise CLIError(f"--out {args.out!r}: cannot write {_os_error(err, args.out)}") from err
     finally:
         bar.close()
     try:
         if args.json:
-            json.dump(report.to_dict(), sys.stdout, allow_nan=False)
+            json.dump({**report.to_dict(), "training_step": step.to_dict()}, sys.stdout, allow_nan=False)
             sys.stdout.write("\n")
         else:
+            print(f"{name}: {step.describe()}")
             print(report.format_table())
         if files is not None:
             print(f"wrote {len(files.all())} files; open {files.html}", file=sys.stderr if args.json else sys.stdout)

@@ -19,11 +19,16 @@ Every picture is a grid of coloured cells with a few labels:
   PNG encoding (Pillow, a palette PNG with exactly the colours used, fast zlib level): milliseconds
   per image, not a matplotlib figure's hundreds (`benchmarks/bench_dashboard.py` measures it).
 
-Sizes: TensorBoard's Images tab fits an image to a card about 350 px wide and its Time Series tab to
-one about 460 x 215 px (larger images are scaled down; "Show actual image size" shows every pixel). A
-tiled image is about 450-500 px wide whatever the head count, with 11-13 px text: its cells stay
-distinct at the default card size, its text reads at actual size. The PNGs carry no data payload:
-what a picture shows is in the measurement record.
+Sizes: TensorBoard's Images tab shows every image at the width of its card, `CARD_PX` = 350 px
+(tensorboard 2.21: the card is 350 px wide and its image ``width: 100%`` with ``image-rendering:
+pixelated``), whatever the image's own size; "Show actual image size" shows every pixel. A wider
+image is shrunk there by dropping rows and columns of pixels, which garbles 11-13 px text and makes
+cell borders uneven. So the pictures are drawn 350 px wide whenever their content fits, and show pixel for
+pixel at the default card size; within that width a tiled image's matrices grow to fill it (an
+about square grid of tiles, cells of a whole number of pixels, up to `MAX_CELL_PX`): two layers of
+4 heads give 35 px cells, one layer 64 px cells. Every picture is at least `MIN_SIDE_PX` = 256 px
+on its short side. The PNGs carry no data payload: what a picture shows is in the measurement
+record.
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ from hdi_monitor.monitor._canvas import (
 from hdi_monitor.monitor._colormaps import TABLES
 
 __all__ = [
+    "CARD_PX",
+    "MIN_SIDE_PX",
+    "MAX_CELL_PX",
     "NAN_RGB",
     "colour_table",
     "colour_indices",
@@ -75,8 +83,16 @@ __all__ = [
     "Renderer",
 ]
 
-#: Narrowest picture in pixels (a map or a tiled image of few layers).
-MIN_WIDTH = 400
+#: Width of a picture whose content fits: TensorBoard's Images-tab card (tensorboard 2.21's
+#: ``tf-image-loader`` is 350 px wide and draws its image at ``width: 100%``, pixelated), so that a
+#: picture shows there pixel for pixel.
+CARD_PX = 350
+#: Shortest side of a dashboard picture, in pixels.
+MIN_SIDE_PX = 256
+#: Largest cell of a tiled matrix, in pixels (a lone matrix of 4 heads is then 259 px).
+MAX_CELL_PX = 64
+#: Most tiles per row of a tiled image by default (the grid is about square up to 16 tiles).
+_DEFAULT_COLUMNS = 4
 
 
 # ---------------------------------------------------------------- colour
@@ -208,25 +224,29 @@ def diversity_map(
     if not layers or not steps:
         raise ValueError("a diversity map needs at least one layer and one measured step")
     n_rows, n_cols = values.shape
-    col_w = min(96, max(1, 320 // max(n_cols, 1)))
-    row_h = min(28, max(3, 320 // max(n_rows, 1)))
-    col_gap, row_gap = int(col_w >= 8), int(row_h >= 8)
-    cells = _cells(colour_indices(values, vmin=0.0, vmax=1.0, centre=chance))
-    body = _blocks(cells, row_h - row_gap, col_w - col_gap, row_gap, col_gap)
-    body_h, body_w = body.shape[:2]
+    row_h = min(40, max(3, 320 // max(n_rows, 1)))
+    row_gap = int(row_h >= 8)
+    body_h = n_rows * row_h - row_gap
     line = _line_height(FONT_PX)
     labels, pattern = layer_labels(list(layers))
     shown_rows = _tick_positions(n_rows, slots=max(2, body_h // (line + 1)))
     row_text = {i: _fit(labels[i], 160) for i in shown_rows}
     left = 8 + max(_text_width(t) for t in row_text.values()) + 6
-    bar_x = left + body_w + 16
     bar_labels = [("1", 0), (f"chance {chance:.3f}", 0.5), ("0", 1)]
-    right = bar_x + 14 + 4 + max(_text_width(t) for t, _ in bar_labels) + 8
-    width = max(right, MIN_WIDTH)
+    beside = 16 + 14 + 4 + max(_text_width(t) for t, _ in bar_labels) + 8  # the colour bar and its labels
+    # columns of whole pixels that fill the card's width (at least 1 px: many steps make it wider)
+    col_w = min(96, max(1, (CARD_PX - left - beside) // n_cols))
+    col_gap = int(col_w >= 8)
+    cells = _cells(colour_indices(values, vmin=0.0, vmax=1.0, centre=chance))
+    body = _blocks(cells, row_h - row_gap, col_w - col_gap, row_gap, col_gap)
+    body_w = body.shape[1]
+    bar_x = left + body_w + 16
+    width = max(left + body_w + beside, CARD_PX)
     heading = _wrap(title, width - 16) + ([f"rows: {pattern}"] if pattern else [])
     top = 6 + line * len(heading) + 8
-    bar_h = max(body_h, 120)
-    height = top + max(body_h, bar_h) + 6 + line + 2 + line + 6 + SMALL_PX + 8
+    below = 6 + line + 2 + line + 6 + SMALL_PX + 8  # step labels, axis title, NaN legend
+    bar_h = max(body_h, 120, MIN_SIDE_PX - top - below)
+    height = top + max(body_h, bar_h) + below
     canvas = _Canvas(width, height, colour_table("RdBu"))
     for k, text in enumerate(heading):
         canvas.text(8, 6 + k * line, text)
@@ -266,7 +286,8 @@ def tiled_heatmaps(
     cmap: str,
     title: str,
     colorbar_label: str,
-    max_columns: int = 4,
+    max_columns: int | None = None,
+    width: int = CARD_PX,
     geometry: dict[str, Any] | None = None,
 ) -> bytes:
     """Several matrices (one per layer) in one PNG: a grid of tiles with one colour bar.
@@ -274,8 +295,11 @@ def tiled_heatmaps(
     Every tile has a caption (the first line of its title, the layer, shortened to what differs
     between the layers, the common part in the subtitle; then the rest, e.g. its HDI) and head
     indices along its edges; the colour scale is fixed (``vmin``/``vmax`` do not follow the data),
-    NaN cells (invalid heads) are grey. A tile's cells take about 80 px whatever the head count (at
-    least 2 px per head), so the image is about 450-500 px wide at 4 columns.
+    NaN cells (invalid heads) are grey. The tiles fill ``width``: every cell is a block of the same
+    whole number of pixels (nearest neighbour, 2 to `MAX_CELL_PX`), the largest that fits, so
+    few layers of few heads are drawn large (2 layers of 4 heads: 35 px cells at 350 px) and many
+    are drawn small; tiles that do not fit at 2 px per head make the picture wider. The picture is
+    at least `MIN_SIDE_PX` high.
 
     Args:
         matrices: ``(H, H)`` matrices; sizes may differ between tiles.
@@ -284,7 +308,10 @@ def tiled_heatmaps(
         cmap: a `colour_table` name.
         title: the picture's title.
         colorbar_label: what the colours mean (under the colour bar).
-        max_columns: tiles per row.
+        max_columns: tiles per row; default: an about square grid (``ceil(sqrt(n))`` columns for
+            ``n`` tiles), at most 4 to a row.
+        width: the picture's width in pixels when the tiles fit (default `CARD_PX`, TensorBoard's
+            Images-tab card).
         geometry: if given, filled with ``tiles``: per tile, the pixel ``(left, top)`` of its first
             cell, the cell ``pitch`` and ``cell`` size (cell ``(i, j)`` starts at
             ``(left + j * pitch, top + i * pitch)``).
@@ -298,20 +325,23 @@ def tiled_heatmaps(
         raise ValueError(f"{len(titles)} titles for {len(matrices)} matrices")
     if any(m.ndim != 2 for m in matrices):
         raise ValueError("every matrix must be 2-D")
+    if max_columns is not None and max_columns < 1:
+        raise ValueError(f"max_columns must be a positive integer, got {max_columns}")
     table = colour_table(cmap)
     indices = [_cells(colour_indices(m, vmin=vmin, vmax=vmax)) for m in matrices]
     heads = max(max(m.shape) for m in matrices)
-    cell = min(40, max(2, 80 // heads))
+    line, small = _line_height(FONT_PX), _line_height(SMALL_PX)
+    index_w = _text_width(str(heads - 1), SMALL_PX) + 4
+    n = len(matrices)
+    ncols = min(n, max_columns if max_columns is not None else min(_DEFAULT_COLUMNS, math.ceil(math.sqrt(n))))
+    nrows = math.ceil(n / ncols)
+    col_gap, row_gap, margin = 12, 10, 8
+    slot_w = (width - 2 * margin - (ncols - 1) * col_gap) // ncols
+    cell = _cell_size(heads, slot_w - index_w - 2)
     gap = int(cell >= 6)
     pitch = cell + gap
     body = heads * pitch - gap
-    line, small = _line_height(FONT_PX), _line_height(SMALL_PX)
-    index_w = _text_width(str(heads - 1), SMALL_PX) + 4
-    slot_w = max(index_w + body + 2, 96)
-    n = len(matrices)
-    ncols = min(max_columns, n)
-    nrows = math.ceil(n / ncols)
-    col_gap, row_gap, margin = 12, 10, 8
+    slot_w = max(slot_w, index_w + body + 2)
     names = [t.split("\n", 1)[0] for t in titles]
     notes = [t.split("\n", 1)[1].replace("\n", " ") if "\n" in t else "" for t in titles]
     labels, pattern = layer_labels(names)
@@ -324,11 +354,11 @@ def tiled_heatmaps(
     caption_h = line * max(len(c) for c in captions)
     slot_h = caption_h + small + body + 2
     grid_w = ncols * slot_w + (ncols - 1) * col_gap
-    width = max(margin * 2 + grid_w, MIN_WIDTH)
+    width = max(margin * 2 + grid_w, width)
     heading = _wrap(title, width - 2 * margin) + ([f"tiles: {pattern}"] if pattern else [])
     top = margin + line * len(heading) + 6
     legend_h = 12 + 10 + 2 + small + 2 + line + 4 + small + margin
-    height = top + nrows * slot_h + (nrows - 1) * row_gap + legend_h
+    height = max(top + nrows * slot_h + (nrows - 1) * row_gap + legend_h, MIN_SIDE_PX)
     canvas = _Canvas(width, height, table)
     for k, text in enumerate(heading):
         canvas.text(margin, margin + k * line, text)
@@ -361,6 +391,16 @@ def tiled_heatmaps(
     if geometry is not None:
         geometry["tiles"] = tiles
     return canvas.png()
+
+
+def _cell_size(heads: int, room: int) -> int:
+    """The largest cell (whole pixels, 2 to `MAX_CELL_PX`) whose ``heads x heads`` block, with the
+    1-pixel lines drawn between cells of 6 px or more, is at most ``room`` pixels wide; 2 when even
+    that does not fit."""
+    cell = min(MAX_CELL_PX, (room + 1) // heads - 1)  # with lines: heads * (cell + 1) - 1 <= room
+    if cell < 6:
+        cell = min(5, room // heads)  # without lines: heads * cell <= room
+    return max(2, cell)
 
 
 # ---------------------------------------------------------------- image jobs (drawn off the training step)
