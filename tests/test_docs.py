@@ -120,7 +120,9 @@ def test_every_code_block_is_marked():
     unmarked = [b.where for b in ALL_BLOCKS if b.lang in RUN_LANGS and b.options is None]
     assert not unmarked, f"python/bash blocks without a docs-test marker (run it or say why not): {unmarked}"
     unknown = [b.where for b in ALL_BLOCKS if b.lang not in RUN_LANGS | {"text", "yaml", "csv", "mermaid"}]
-    assert not unknown, f"blocks in a language the docs test does not know (use python, bash, text or mermaid): {unknown}"
+    assert not unknown, (
+        f"blocks in a language the docs test does not know (use python, bash, text or mermaid): {unknown}"
+    )
     for b in ALL_BLOCKS:
         if b.options is not None:
             assert set(b.options) <= OPTIONS, f"{b.where}: unknown docs-test options {set(b.options) - OPTIONS}"
