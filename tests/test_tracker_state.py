@@ -57,18 +57,42 @@ def test_a_state_round_trips_and_its_generator_continues():
 def test_a_weights_only_measurement_says_nothing_about_kernel_statistics():
     """Issue 30 item 13: ``tracker.measure()`` without inputs (weights only) with kernel statistics on
     said "kernel statistics not measured (the layer's forward did not run)" once per layer, so the
-    layer's later real failure was never named. Now it says nothing, and a later forward that cannot
-    be read is still named."""
-    model = encoder()
+    layer's later real failure was never named. Now it says nothing, a real forward is measured, and
+    a later step whose forward skips a layer names that layer (the note is said once per layer: on the
+    previous code it had been spent on the weights-only measurement)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(D, HEADS, 2 * D, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     tracker = HDITracker(model, every_n_steps=1, kernel_stats=True)
+
+    def kernel_notes(caught) -> list[str]:  # noqa: ANN001
+        return [m for m in _monitoring(caught) if "kernel statistics not measured" in m]
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        m = tracker.measure()  # weights only
-    assert m is not None and m.report.layers[0].attention_entropy is None
-    assert not [w for w in caught if issubclass(w.category, MonitoringWarning) and "kernel" in str(w.message)]
+        m = tracker.measure()  # weights only (step 0)
+    assert m is not None and [la.attention_entropy for la in m.report.layers] == [None, None]
+    assert kernel_notes(caught) == []
     x = torch.randn(2, 5, D)
-    m = tracker.measure(x)  # a real forward: measured
-    assert m is not None and m.report.layers[0].attention_entropy is not None
+    assert tracker.step() is None  # the loop's step 0: measured already
+    with tracker.capture(x):  # step 1: a real forward, measured
+        model(x)
+    m = tracker.step()
+    assert m is not None and m.step == 1 and all(la.attention_entropy is not None for la in m.report.layers)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tracker.capture(x) as measured:  # step 2: the forward skips layers.1
+            model.layers[0](x)
+        m = tracker.step()
+    assert measured and m is not None and m.step == 2
+    assert [la.attention_entropy is not None for la in m.report.layers] == [True, False]
+    (note,) = kernel_notes(caught)
+    assert "layers.1.self_attn: kernel statistics not measured (the layer's forward did not run" in note
+    assert "layers.0.self_attn" not in note
+
+
+def _monitoring(caught) -> list[str]:  # noqa: ANN001
+    return [str(w.message) for w in caught if issubclass(w.category, MonitoringWarning)]
 
 
 def test_a_resumed_lightning_run_publishes_its_last_measurement_at_once(tmp_path):
