@@ -209,5 +209,12 @@ def test_a_non_finite_head_output_is_named_and_left_out():
         c = c - c.mean(dim=1, keepdim=True)
         cov = torch.einsum("inD,jnD->ij", c, c) / c.shape[1]
         expected = len(live) / float(cov.sum() / cov.diagonal().sum())
+        std = cov.diagonal().sqrt()
+        corr = cov / (std[:, None] * std[None, :])
+        mean_corr = float(corr[~torch.eye(len(live), dtype=torch.bool)].mean())  # the 6 off-diagonal pairs
     assert layer.effective_heads == pytest.approx(expected, rel=1e-9)
-    assert m.scalars["invalid_heads/activations"] == 1.0
+    assert layer.mean_correlation == pytest.approx(mean_corr, rel=1e-9)  # over the same live heads
+    # the health chart shows it: the total and the layer's own invalid-head scalar
+    assert m.scalars["invalid_heads/activations"] == 1.0 and m.scalars["invalid_heads/activations/<root>"] == 1.0
+    assert m.scalars["effective_heads/<root>"] == pytest.approx(expected, rel=1e-9)
+    assert m.scalars["head_correlation/<root>"] == pytest.approx(mean_corr, rel=1e-9)
