@@ -95,18 +95,28 @@ def _monitoring(caught) -> list[str]:  # noqa: ANN001
     return [str(w.message) for w in caught if issubclass(w.category, MonitoringWarning)]
 
 
-def test_a_resumed_lightning_run_publishes_its_last_measurement_at_once(tmp_path):
+@pytest.mark.parametrize("restore", ["before_setup", "after_setup"])
+def test_a_resumed_lightning_run_publishes_its_last_measurement_at_once(tmp_path, restore):
     """Issue 30 item 9: after a resume, ``hdi/...`` was missing from ``callback_metrics`` until the
     next measured step, so ``EarlyStopping(monitor="hdi/key/mean")`` failed with "metric not
-    available". The restored last measurement is published when the resumed fit starts."""
+    available". The restored last measurement is published when the resumed fit starts, also where
+    the strategy restores the checkpoint after its setup (FSDP, ModelParallel, DeepSpeed: the
+    callback's state arrives after ``on_fit_start``)."""
     pytest.importorskip("lightning")
     import lightning as L
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import SingleDeviceStrategy
 
     from hdi_monitor import HDIMonitor
     from hdi_monitor.contrib.demo import CharDataModule, CharLM
 
+    class RestoresAfterSetup(SingleDeviceStrategy):  # the order of the sharding strategies, on one CPU
+        @property
+        def restore_checkpoint_after_setup(self) -> bool:
+            return True
+
     def trainer(steps: int, extra: list[Callback]) -> L.Trainer:
+        strategy = RestoresAfterSetup(torch.device("cpu")) if restore == "after_setup" else "auto"
         return L.Trainer(
             max_steps=steps,
             callbacks=[HDIMonitor(every_n_steps=4, log_images_every_n_steps=0), *extra],
@@ -115,6 +125,8 @@ def test_a_resumed_lightning_run_publishes_its_last_measurement_at_once(tmp_path
             enable_progress_bar=False,
             limit_val_batches=0,
             enable_model_summary=False,
+            accelerator="cpu",
+            strategy=strategy,
         )
 
     torch.manual_seed(0)
