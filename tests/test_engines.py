@@ -307,3 +307,26 @@ def test_pipeline_stages_are_refused_at_setup_on_every_rank(tmp_path: Path) -> N
             assert "layers (names and shapes) differs: rank 0: layers.0.attention" in error
             assert "rank 1: layers.1.attention" in error
             assert "Pipeline parallelism (each stage holding different layers) is not supported" in error
+
+
+@pytest.mark.slow
+def test_a_hand_made_data_parallel_group_beside_a_1d_tp_mesh_is_refused_at_setup(
+    tmp_path: Path, single_track: dict
+) -> None:
+    """Issue 30 item 10: the refusal came from ``tracker.step()`` after the first measured forward and
+    backward (with ``strict=False``: it ended the loop). It comes now when the first measured step's
+    capture begins, before any forward pass, on both ranks, saying what to do; a weights-only tracker
+    sums nothing and measures; the advice (the TP mesh sliced from a 2-D (dp, tp) mesh) is measured,
+    each token once (summed over "dp"), equal to one process over the global batch."""
+    ranks = launch("tp_beside_dp", tmp_path)
+    want_weights = reference(te.build_plain())
+    for res in ranks.values():
+        refused = res["hand_made"]
+        assert refused["reached"] == "capture" and refused["forwards"] == 0  # nothing of the step ran
+        assert refused["error"].startswith(
+            "hdi-monitor: a 1-way tensor-parallel mesh of 1 rank(s) in a world of 2: the data-parallel replicas are "
+            "not on the mesh (a data-parallel group made beside it cannot be known)"
+        )
+        assert 'init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))["tp"]' in refused["error"]
+        assert_same_hdi(res["weights_only"], want_weights)
+        assert_same_statistics(res["sliced"]["steps"], single_track["steps"])

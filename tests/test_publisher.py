@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -40,26 +42,56 @@ def _monitoring(caught) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, MonitoringWarning)]
 
 
-def test_a_renderer_that_never_returns_costs_its_pictures_not_the_run():
+def _within(seconds: float, fn: Callable[[], Any]) -> float:
+    """Run ``fn`` on a daemon thread and fail if it has not returned after ``seconds`` (it hangs: the
+    test fails instead of hanging with it); re-raise its exception; the seconds it took."""
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        start = time.perf_counter()
+        try:
+            fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the test's thread
+            done["error"] = err
+        done["seconds"] = time.perf_counter() - start
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"{getattr(fn, '__name__', fn)} did not return within {seconds:g} s")
+    if "error" in done:
+        raise done["error"]
+    return float(done["seconds"])
+
+
+@pytest.mark.parametrize("stuck_in", ["renderer", "image sink"])
+def test_a_renderer_that_never_returns_costs_its_pictures_not_the_run(stuck_in):
     """close() returns within the publisher's bound and names the steps whose pictures are lost; the
-    steps themselves never waited."""
+    steps themselves never waited. The same for an image sink whose write never returns (a stuck
+    W&B or MLflow upload)."""
     release = threading.Event()
 
     def stuck(job: ImageJob) -> dict[str, bytes]:
         release.wait()  # never set before the end of the test
         return {}
 
+    class StuckImages(MemorySink):
+        def log_images(self, images, step):  # noqa: ANN001
+            if step < 3:  # the pictures of steps 0-2 never get written
+                release.wait()
+            super().log_images(images, step)
+
     model = encoder()
-    sink = MemorySink()
-    tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=1, sinks=[sink], renderer=stuck)
+    sink = StuckImages() if stuck_in == "image sink" else MemorySink()
+    renderer = stuck if stuck_in == "renderer" else render_job
+    tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=1, sinks=[sink], renderer=renderer)
     tracker.publisher.wait_timeout = 0.5
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             held = [_step(tracker, model) for _ in range(3)]
-            start = time.perf_counter()
-            tracker.close()
-            closing = time.perf_counter() - start
+            closing = _within(30.0, tracker.close)  # waited forever before
         assert max(held[1:]) < 5.0  # (the first step also finds the layers)
         assert closing < 3.0  # 0.5 s to wait for the queue, 0.5 s to join: not forever
         lost = [m for m in _monitoring(caught) if "were not written" in m]
@@ -68,7 +100,7 @@ def test_a_renderer_that_never_returns_costs_its_pictures_not_the_run():
         # the run goes on: a later image step gets a new worker and is drawn (by a renderer that returns)
         tracker.renderer, tracker.publisher.wait_timeout = render_job, 60.0
         _step(tracker, model)
-        tracker.close()
+        _within(60.0, tracker.close)
         assert [s for s, _, _ in sink.images] and {s for s, _, _ in sink.images} == {3}
     finally:
         release.set()
@@ -79,8 +111,11 @@ def test_a_slow_image_sink_never_holds_the_training_step():
     upload does not make the next steps wait (the first of them waited for it when they shared the
     sink's lock)."""
 
+    uploading = threading.Event()
+
     class SlowImages(MemorySink):
         def log_images(self, images, step):  # noqa: ANN001
+            uploading.set()
             time.sleep(8.0)
             super().log_images(images, step)
 
@@ -88,15 +123,18 @@ def test_a_slow_image_sink_never_holds_the_training_step():
     sink = SlowImages()
     tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=4, sinks=[sink], strict=True)
     _step(tracker, model)  # step 0: an image step, its upload takes 8 s on the worker
-    time.sleep(0.2)  # the worker is inside log_images now
+    assert uploading.wait(timeout=60.0)  # the worker is inside log_images now (the picture is drawn)
     held = [_step(tracker, model) for _ in range(3)]  # steps 1-3 write scalars to the same sink
     assert max(held) < 5.0, held
     tracker.close()
     assert {s for s, _, _ in sink.images} >= {0} and sorted({s for s, _, _ in sink.scalars}) == [0, 1, 2, 3]
 
 
-def test_lightning_fit_with_a_stuck_renderer_returns(monkeypatch, tmp_path):
-    """``trainer.fit`` ends although the renderer never returns (it waited forever in on_train_end)."""
+@pytest.mark.parametrize("fails", [False, True], ids=["ends", "raises"])
+def test_lightning_fit_with_a_stuck_renderer_returns(monkeypatch, tmp_path, fails):
+    """``trainer.fit`` ends although the renderer never returns (it waited forever in on_train_end),
+    also when the run fails: the training step's exception reaches the caller (on_exception closes
+    the tracker within its bound, it waited forever there too)."""
     pytest.importorskip("lightning")
     import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -111,9 +149,15 @@ def test_lightning_fit_with_a_stuck_renderer_returns(monkeypatch, tmp_path):
         release.wait()
         return {}
 
+    class Failing(CharLM):
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN202
+            if fails and self.global_step == 3:  # after the image steps 0 and 2 were queued
+                raise RuntimeError("the user's training step failed")
+            return super().training_step(batch, batch_idx)
+
     monkeypatch.setattr(publish, "render_job", stuck)  # the default renderer the callback's tracker gets
     monkeypatch.setattr(publish, "WAIT_SECONDS", 0.5)
-    model = CharLM(d_model=32, num_heads=4, num_layers=1)
+    model = Failing(d_model=32, num_heads=4, num_layers=1)
     trainer = L.Trainer(
         max_steps=4,
         callbacks=[HDIMonitor(every_n_steps=1, log_images_every_n_steps=2)],
@@ -123,12 +167,14 @@ def test_lightning_fit_with_a_stuck_renderer_returns(monkeypatch, tmp_path):
         limit_val_batches=0,
         enable_model_summary=False,
     )
-    start = time.perf_counter()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer.fit(model, datamodule=CharDataModule())
-        assert time.perf_counter() - start < 120
+            if fails:
+                with pytest.raises(RuntimeError, match="the user's training step failed"):
+                    _within(120.0, lambda: trainer.fit(model, datamodule=CharDataModule()))
+            else:
+                _within(120.0, lambda: trainer.fit(model, datamodule=CharDataModule()))
         assert any("were not written" in m for m in _monitoring(caught))
     finally:
         release.set()
@@ -209,5 +255,12 @@ def test_a_non_finite_head_output_is_named_and_left_out():
         c = c - c.mean(dim=1, keepdim=True)
         cov = torch.einsum("inD,jnD->ij", c, c) / c.shape[1]
         expected = len(live) / float(cov.sum() / cov.diagonal().sum())
+        std = cov.diagonal().sqrt()
+        corr = cov / (std[:, None] * std[None, :])
+        mean_corr = float(corr[~torch.eye(len(live), dtype=torch.bool)].mean())  # the 6 off-diagonal pairs
     assert layer.effective_heads == pytest.approx(expected, rel=1e-9)
-    assert m.scalars["invalid_heads/activations"] == 1.0
+    assert layer.mean_correlation == pytest.approx(mean_corr, rel=1e-9)  # over the same live heads
+    # the health chart shows it: the total and the layer's own invalid-head scalar
+    assert m.scalars["invalid_heads/activations"] == 1.0 and m.scalars["invalid_heads/activations/<root>"] == 1.0
+    assert m.scalars["effective_heads/<root>"] == pytest.approx(expected, rel=1e-9)
+    assert m.scalars["head_correlation/<root>"] == pytest.approx(mean_corr, rel=1e-9)

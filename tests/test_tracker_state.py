@@ -57,32 +57,66 @@ def test_a_state_round_trips_and_its_generator_continues():
 def test_a_weights_only_measurement_says_nothing_about_kernel_statistics():
     """Issue 30 item 13: ``tracker.measure()`` without inputs (weights only) with kernel statistics on
     said "kernel statistics not measured (the layer's forward did not run)" once per layer, so the
-    layer's later real failure was never named. Now it says nothing, and a later forward that cannot
-    be read is still named."""
-    model = encoder()
+    layer's later real failure was never named. Now it says nothing, a real forward is measured, and
+    a later step whose forward skips a layer names that layer (the note is said once per layer: on the
+    previous code it had been spent on the weights-only measurement)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(D, HEADS, 2 * D, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     tracker = HDITracker(model, every_n_steps=1, kernel_stats=True)
+
+    def kernel_notes(caught) -> list[str]:  # noqa: ANN001
+        return [m for m in _monitoring(caught) if "kernel statistics not measured" in m]
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        m = tracker.measure()  # weights only
-    assert m is not None and m.report.layers[0].attention_entropy is None
-    assert not [w for w in caught if issubclass(w.category, MonitoringWarning) and "kernel" in str(w.message)]
+        m = tracker.measure()  # weights only (step 0)
+    assert m is not None and [la.attention_entropy for la in m.report.layers] == [None, None]
+    assert kernel_notes(caught) == []
     x = torch.randn(2, 5, D)
-    m = tracker.measure(x)  # a real forward: measured
-    assert m is not None and m.report.layers[0].attention_entropy is not None
+    assert tracker.step() is None  # the loop's step 0: measured already
+    with tracker.capture(x):  # step 1: a real forward, measured
+        model(x)
+    m = tracker.step()
+    assert m is not None and m.step == 1 and all(la.attention_entropy is not None for la in m.report.layers)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tracker.capture(x) as measured:  # step 2: the forward skips layers.1
+            model.layers[0](x)
+        m = tracker.step()
+    assert measured and m is not None and m.step == 2
+    assert [la.attention_entropy is not None for la in m.report.layers] == [True, False]
+    (note,) = kernel_notes(caught)
+    assert "layers.1.self_attn: kernel statistics not measured (the layer's forward did not run" in note
+    assert "layers.0.self_attn" not in note
 
 
-def test_a_resumed_lightning_run_publishes_its_last_measurement_at_once(tmp_path):
+def _monitoring(caught) -> list[str]:  # noqa: ANN001
+    return [str(w.message) for w in caught if issubclass(w.category, MonitoringWarning)]
+
+
+@pytest.mark.parametrize("restore", ["before_setup", "after_setup"])
+def test_a_resumed_lightning_run_publishes_its_last_measurement_at_once(tmp_path, restore):
     """Issue 30 item 9: after a resume, ``hdi/...`` was missing from ``callback_metrics`` until the
     next measured step, so ``EarlyStopping(monitor="hdi/key/mean")`` failed with "metric not
-    available". The restored last measurement is published when the resumed fit starts."""
+    available". The restored last measurement is published when the resumed fit starts, also where
+    the strategy restores the checkpoint after its setup (FSDP, ModelParallel, DeepSpeed: the
+    callback's state arrives after ``on_fit_start``)."""
     pytest.importorskip("lightning")
     import lightning as L
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import SingleDeviceStrategy
 
     from hdi_monitor import HDIMonitor
     from hdi_monitor.contrib.demo import CharDataModule, CharLM
 
+    class RestoresAfterSetup(SingleDeviceStrategy):  # the order of the sharding strategies, on one CPU
+        @property
+        def restore_checkpoint_after_setup(self) -> bool:
+            return True
+
     def trainer(steps: int, extra: list[Callback]) -> L.Trainer:
+        strategy = RestoresAfterSetup(torch.device("cpu")) if restore == "after_setup" else "auto"
         return L.Trainer(
             max_steps=steps,
             callbacks=[HDIMonitor(every_n_steps=4, log_images_every_n_steps=0), *extra],
@@ -91,6 +125,8 @@ def test_a_resumed_lightning_run_publishes_its_last_measurement_at_once(tmp_path
             enable_progress_bar=False,
             limit_val_batches=0,
             enable_model_summary=False,
+            accelerator="cpu",
+            strategy=strategy,
         )
 
     torch.manual_seed(0)

@@ -241,5 +241,8 @@ class HDIMonitor(MonitorSettings, Callback):
         if self.tracker is not None:
             self.tracker.load_state_dict(state_dict)
             self._restored = None
+            trainer = self._trainer() if self._trainer is not None else None
+            if trainer is not None and len(self.tracker.history):  # after on_fit_start: published here
+                self._publish(trainer, self._last_row(self.tracker.history))
         else:
             self._restored = dict(state_dict)

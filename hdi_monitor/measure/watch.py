@@ -170,7 +170,8 @@ class ModelWatch:
         notes += self._set_layers(found)
         if self.collectives:
             ranks.check_ranks_agree(self._fingerprint(found))  # one small collective: all ranks watch the same
-        _ = self.data_parallel  # a mesh whose data-parallel ranks cannot be known raises here, before training
+        if self.activations or self.config.kernel_stats:  # the statistics summed over the data-parallel ranks
+            _ = self.data_parallel  # a mesh whose data-parallel ranks cannot be known raises here, before training
         return notes
 
     @property

@@ -381,12 +381,15 @@ def data_parallel_group(layers: Any) -> tuple[bool, Any]:
     summing over them would count each token ``tp`` times. Without tensor parallelism this is
     ``(True, None)`` (the default group, as before). With it, the group of the mesh's other
     dimension (``(True, group)``), or ``(False, None)`` where the mesh is the TP dimension alone
-    and covers every rank (nothing to sum).
+    and covers every rank (nothing to sum). A 1-D TP mesh sliced from a 2-D (data, tensor) mesh
+    (``mesh["tp"]``, with DDP or a plain replica over ``mesh["dp"]``) sums over the root mesh's
+    other dimension.
 
     Raises:
         ValueError: the TP layers sit on different meshes, the mesh has more than one data-parallel
-            dimension, or a 1-D TP mesh does not cover every rank (data-parallel replicas of a TP
-            group outside the mesh are not known).
+            dimension, or a 1-D TP mesh does not cover every rank and is no slice of a mesh that
+            does (a data-parallel group made beside the mesh by hand cannot be known). Found at
+            setup (`hdi_monitor.measure.watch.ModelWatch.setup`), before the first step.
     """
     import torch.distributed as dist
 
@@ -399,17 +402,51 @@ def data_parallel_group(layers: Any) -> tuple[bool, Any]:
     others = [i for i in range(first.mesh.ndim) if i != first.mesh_dim]
     if not others:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if first.mesh.size() != world:
+        if first.mesh.size() == world:
+            return False, None
+        root = _root_mesh(first.mesh)
+        names = tuple(getattr(root, "mesh_dim_names", None) or ()) if root is not None else ()
+        if root is not None and root.size() == world and first.dim_name in names:
+            rest = [i for i in range(root.ndim) if names[i] != first.dim_name]
+            if len(rest) == 1:  # mesh["tp"] of a (dp, tp) mesh: the replicas are on the root's other dimension
+                return True, root.get_group(rest[0])
             raise ValueError(
-                f"a {first.size}-way tensor-parallel mesh of {first.mesh.size()} ranks in a world of {world}: the "
-                "data-parallel replicas are not on the mesh; put them on a 2-D (data, tensor) mesh"
+                f"the tensor-parallel mesh is a slice of a mesh with {len(rest)} dimensions besides tensor "
+                "parallelism; flatten the data-parallel ones"
             )
-        return False, None
+        raise ValueError(
+            f"hdi-monitor: a {first.size}-way tensor-parallel mesh of {first.mesh.size()} rank(s) in a world of "
+            f"{world}: the data-parallel replicas are not on the mesh (a data-parallel group made beside it cannot "
+            "be known), so the statistics cannot be summed over them. Slice the tensor-parallel mesh from a 2-D "
+            '(data, tensor) mesh: init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))["tp"], '
+            "or measure weights only (activations=False)"
+        )
     if len(others) > 1:
         raise ValueError(
             f"the mesh has {len(others)} dimensions besides tensor parallelism; flatten the data-parallel ones"
         )
     return True, first.mesh.get_group(others[0])
+
+
+def _root_mesh(mesh: Any) -> Any:
+    """The mesh ``mesh`` was sliced from (``root["tp"]``), or None when it is a root itself or the
+    torch version does not say."""
+    get = getattr(mesh, "_get_root_mesh", None)  # recent torch
+    if not callable(get):
+        try:
+            from torch.distributed.device_mesh import _mesh_resources  # older torch
+
+            get = getattr(_mesh_resources, "get_root_mesh", None)
+            get = (lambda m=mesh, f=get: f(m)) if callable(get) else None
+        except ImportError:
+            get = None
+    if get is None:
+        return None
+    try:
+        root = get()
+    except Exception:  # noqa: BLE001 - a private API: without it the slice is not recognised (refused)
+        return None
+    return None if root is None or root is mesh or root == mesh else root
 
 
 def check_same_layers(layers: Any, group: Any = None) -> None:

@@ -6,6 +6,7 @@ Run it as a script (it starts its own ranks with ``torch.multiprocessing``)::
     python tests/scripts/tp_engines.py --engine plain_tp --out DIR   # DTensor TP, num_heads //= tp
     python tests/scripts/tp_engines.py --engine hf_tp    --out DIR   # transformers tp_plan="auto" (tiny Llama)
     python tests/scripts/tp_engines.py --engine zero3    --out DIR   # deepspeed.initialize, ZeRO stage 3
+    python tests/scripts/tp_engines.py --engine tp_beside_dp --out DIR  # a hand-made DP group beside a 1-D TP mesh
 
 Every engine builds the model from a seed, so the test rebuilds the same unsharded weights in its own process
 (`build_plain`, `build_llama`) and compares. Each rank writes ``rank{R}.json``: the measured layers, their
@@ -571,7 +572,62 @@ def _run_stage_mismatch(out: Path, rank: int) -> dict[str, Any]:
     return {"errors": errors}
 
 
+def _run_tp_beside_dp(out: Path, rank: int) -> dict[str, Any]:
+    """Issue 30 item 10. Each rank holds a 1-D tensor-parallel mesh of its own (a 1-way TP "group" made
+    with ``DeviceMesh.from_group``) beside a data-parallel group made by hand over both ranks: which ranks
+    are replicas cannot be told from the weights, so the statistics cannot be summed. The tracker
+    (``strict=False``) must refuse at setup, that is when the first measured step's capture begins,
+    before any forward pass; a weights-only tracker needs no sum and measures. The same TP slice taken
+    from a 2-D ``("dp", "tp")`` mesh (``mesh["tp"]``, the replicas on ``mesh["dp"]``) is measured and
+    summed over "dp"."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    from hdi_monitor import HDITracker
+
+    dp_group = dist.new_group(list(range(WORLD_SIZE)))  # the user's own data-parallel group
+    tp_groups = [dist.new_group([r]) for r in range(WORLD_SIZE)]  # every rank creates every group
+    mesh = DeviceMesh.from_group(tp_groups[rank], "cpu", mesh_dim_names=("tp",))
+    model = build_plain()
+    apply_plain_tp(model, mesh)
+    forwards: list[int] = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    tracker = HDITracker(model, every_n_steps=1, projections=PROJECTIONS, log_images_every_n_steps=0, strict=False)
+    tokens = global_batches()[0][rank::WORLD_SIZE]
+    reached, error = "capture", ""
+    try:
+        with tracker.capture(tokens):
+            reached = "forward"
+            logits = model(tokens)
+        F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+        for p in model.parameters():  # the hand-made data parallelism: gradients averaged over dp_group
+            grad = p.grad.to_local() if is_dtensor_grad(p.grad) else p.grad
+            dist.all_reduce(grad, group=dp_group)
+            grad /= WORLD_SIZE
+        reached = "step"
+        tracker.step()
+        optimizer.step()
+        reached = "trained"
+    except ValueError as err:
+        error = str(err)
+    weights_only = HDITracker(model, every_n_steps=1, projections=PROJECTIONS, activations=False, strict=True)
+    m = weights_only.measure()
+    sliced = init_device_mesh("cpu", (WORLD_SIZE, 1), mesh_dim_names=("dp", "tp"))
+    replica = build_plain()
+    apply_plain_tp(replica, sliced["tp"])
+    return {
+        "hand_made": {"error": error, "reached": reached, "forwards": len(forwards)},
+        "weights_only": {r.name: dict(r.hdi) for r in m.report.layers} if m is not None else None,
+        "sliced": track(replica, sliced.get_coordinate()[0], WORLD_SIZE),
+    }
+
+
+def is_dtensor_grad(t: Any) -> bool:
+    return callable(getattr(t, "to_local", None))
+
+
 ENGINES = {
+    "tp_beside_dp": _run_tp_beside_dp,
     "plain_tp": _run_plain_tp,
     "hf_tp": _run_hf_tp,
     "zero3": _run_zero3,
