@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Literal
 
+from hdi_monitor import evidence
 from hdi_monitor._validation import check_bool, check_choice, check_choices, check_int, check_regex
 from hdi_monitor.events import DiversityEvent
-from hdi_monitor.evidence import DEFAULTS_ON, KINDS_WITH_METRIC, SIGNALS
+from hdi_monitor.evidence import KINDS_WITH_METRIC, SIGNALS
 from hdi_monitor.functional.diversity import Weighting
 from hdi_monitor.models import PROJECTIONS, AttentionSpec
 from hdi_monitor.models.base import Projection
@@ -197,7 +198,7 @@ class MonitorConfig:
     def warned_signals(self) -> frozenset[str]:
         """The signals whose events warn: ``warn_on`` as signal names (a kind with a metric stands
         for both of its signals), or `hdi_monitor.evidence.DEFAULTS_ON` when it is None."""
-        names = DEFAULTS_ON if self.warn_on is None else self.warn_on
+        names = evidence.DEFAULTS_ON if self.warn_on is None else self.warn_on
         out: set[str] = set()
         for name in names:
             out.update(s for s in SIGNALS if s.startswith(f"{name}/")) if name in KINDS_WITH_METRIC else out.add(name)

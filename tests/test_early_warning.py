@@ -160,7 +160,7 @@ def test_at_most_one_warning_per_measured_step_pointing_at_user_code(tmp_path):
     assert len(ours) == len(steps) <= len(monitor.history)
     for w, step in zip(ours, steps, strict=True):
         assert w.filename == __file__ and w.lineno == fit_line, (w.filename, w.lineno)
-        assert str(w.message).startswith(f"hdi-monitor step {step}: ")
+        assert str(w.message).startswith(f"step {step}: ")
         assert "see the Text tab (diversity_events/*) or monitor.events" in str(w.message)
         assert len(str(w.message)) <= 165 and "\n" not in str(w.message)
     assert "2 redundant head pairs in 2 layers" in str(ours[0].message)

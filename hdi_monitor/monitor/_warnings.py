@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
 
+from hdi_monitor import evidence
 from hdi_monitor.events import DiversityEvent
-from hdi_monitor.evidence import DOCS, EVIDENCE, signal_of
+from hdi_monitor.evidence import DOCS, signal_of
 from hdi_monitor.exceptions import DiversityWarning
 
 __all__ = ["MAX_LINE", "dispatch_events", "event_line", "run_summary", "say", "summarize_events", "warn"]
@@ -76,9 +77,11 @@ def _above_the_bar() -> Iterator[None]:
 
 
 class _BarAwareHandler(logging.StreamHandler):
-    """A stream handler that writes above an active tqdm progress bar (``tqdm.write``)."""
+    """A handler writing to the current ``sys.stderr`` (so that a Rich progress bar's redirect, or a
+    test's capture, sees it), above an active tqdm progress bar (``tqdm.write``)."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
         bar = _active_bar()
         if bar is None:
             super().emit(record)
@@ -215,14 +218,13 @@ def _counts(signal: str, events: Sequence[DiversityEvent]) -> str:
 
 def _clauses(signal: str) -> list[str]:
     """What the study measured for ``signal``, longest first (the line keeps the longest that fits)."""
-    record = EVIDENCE.get(signal)
+    record = evidence.EVIDENCE.get(signal)
     if record is None:
         return ["no held-out evidence", "unvalidated"]
     return [
         f"held-out precision {record.clause(interval=True, baseline_name=True)[len('held-out precision ') :]}",
         f"held-out precision {record.precision:.2f} vs {record.best_baseline_precision:.2f} ({record.best_baseline})",
-        f"held-out precision {record.precision:.2f} vs baseline {record.best_baseline_precision:.2f}",
-        f"precision {record.precision:.2f} vs {record.best_baseline_precision:.2f}",
+        f"held-out precision {record.precision:.2f} vs {record.best_baseline_precision:.2f}",
     ]
 
 
@@ -230,39 +232,53 @@ def event_line(
     step: int, warned: Sequence[DiversityEvent], *, logged: int = 0, explained: set[str] | None = None
 ) -> str:
     """The one line of a measured step's warned events (at most `MAX_LINE` characters): the counts
-    per kind, for each signal not yet ``explained`` in this run what the study measured for it (as
-    many as fit; those are added to ``explained``), the docs link with them, how many events of the
-    step were logged without warning, and where the full messages are. E.g. ``"hdi-monitor step 650:
-    logit blowup in 2 layers (held-out precision 0.42 [0.30-0.55] vs 0.25 (loss_zscore));
-    docs/early-warnings.md; see the Text tab (diversity_events/*) or monitor.events"``."""
+    per kind, for the signals not yet ``explained`` in this run what the study measured for them,
+    with the docs link (as many as fit, first ones first; those are added to ``explained``, the
+    others are told at their next line), how many events of the step were logged without warning,
+    and where the full messages are. E.g. ``"step 650: logit blowup in 2 layers (held-out precision
+    0.42 vs 0.25 (loss_zscore)); docs/early-warnings.md; see the Text tab (diversity_events/*) or
+    monitor.events"`` (the warning's category, ``DiversityWarning``, says whose line it is)."""
     explained = set() if explained is None else explained
     groups: dict[str, list[DiversityEvent]] = {}
     for event in warned:
         groups.setdefault(signal_of(event), []).append(event)
-    head = f"hdi-monitor step {step}: "
-    parts = [_counts(signal, events) for signal, events in groups.items()]
+    order = [s for s in groups if s not in explained] + [s for s in groups if s in explained]
+    head = f"step {step}: "
     extra = f"; {_plural(logged, 'more event')} logged" if logged else ""
 
-    def compose(clauses: dict[str, str], more: str) -> str:
-        body = ", ".join(f"{p} ({clauses[s]})" if s in clauses else p for s, p in zip(groups, parts, strict=True))
+    def compose(clauses: dict[str, str], *, short: int, more: str = "") -> str:
+        """``short``: 0 the counts in words; 1 the kinds without evidence as ``kind (n)``; 2 all."""
+        parts = []
+        for signal in order:
+            if signal in clauses and short == 2:
+                parts.append(f"{_KIND_WORDS.get(signal, signal)} ({len(groups[signal])}; {clauses[signal]})")
+            elif signal in clauses:
+                parts.append(f"{_counts(signal, groups[signal])} ({clauses[signal]})")
+            elif short:  # the others in a few words: the line is about the newly explained ones
+                parts.append(f"{_KIND_WORDS.get(signal, signal)} ({len(groups[signal])})")
+            else:
+                parts.append(_counts(signal, groups[signal]))
         link = f"; {DOCS}" if clauses else ""
-        return f"{head}{body}{link}{more}; {SEE}"
+        return f"{head}{', '.join(parts)}{link}{more}; {SEE}"
 
+    new = [s for s in order if s not in explained]
     chosen: dict[str, str] = {}
-    for signal in groups:
-        if signal in explained:
-            continue
-        for clause in _clauses(signal):
-            if len(compose({**chosen, signal: clause}, "")) <= MAX_LINE:
-                chosen[signal] = clause
-                break
-    line = compose(chosen, extra)
-    if len(line) > MAX_LINE:
-        line = compose(chosen, "")
-    if len(line) > MAX_LINE:  # many kinds at once: counts only, shortened
-        body = ", ".join(f"{len(events)} {_KIND_WORDS.get(s, s)}" for s, events in groups.items())
-        line = f"{head}{body}; {SEE}"
+    short = 0
+    for short in (0, 1, 2):
         chosen = {}
+        for signal in new:
+            for clause in _clauses(signal):
+                if len(compose({**chosen, signal: clause}, short=short)) <= MAX_LINE:
+                    chosen[signal] = clause
+                    break
+        if chosen or not new:
+            break
+    line = compose(chosen, short=short, more=extra)
+    if len(line) > MAX_LINE:
+        line = compose(chosen, short=short)
+    if len(line) > MAX_LINE:  # many kinds at once: counts only
+        chosen = {}
+        line = compose(chosen, short=1)
     if len(line) > MAX_LINE:
         line = f"{head}{_plural(len(warned), 'event')} warned; {SEE}"
     explained.update(chosen)
@@ -271,7 +287,7 @@ def event_line(
 
 def summarize_events(step: int, events: Sequence[DiversityEvent]) -> str:
     """One line for the events of one measured step, every event counted as warned (see `event_line`)."""
-    return event_line(step, events, explained=set(EVIDENCE) | set(_KIND_WORDS) | {"redundancy"})
+    return event_line(step, events, explained=set(evidence.EVIDENCE) | set(_KIND_WORDS) | {"redundancy"})
 
 
 def run_summary(events: Sequence[DiversityEvent], warned_signals: frozenset[str], measurements: int) -> str:
