@@ -524,13 +524,13 @@ class SaturationDetector:
             advice = ""
         if below:
             return (
-                f"{head}), now below the {chance:.3f} chance level of random heads: the heads are converging "
-                f"(heads converge in healthy runs too as they learn){advice} ({_evidence(signal)})."
+                f"{head}), now below the {chance:.3f} chance level of random heads: the heads are converging, "
+                f"as they do in healthy runs too while they learn{advice} ({_evidence(signal)})."
             )
         ref = "" if chance is None else f"; chance {chance:.3f}"
         return (
-            f"{head}{ref}): the heads are becoming more alike (heads converge in healthy runs too as they "
-            f"learn){advice} ({_evidence(signal)})."
+            f"{head}{ref}): the heads are becoming more alike, as they do in healthy runs too while they "
+            f"learn{advice} ({_evidence(signal)})."
         )
 
     def _redundancy_message(
