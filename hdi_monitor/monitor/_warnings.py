@@ -26,7 +26,7 @@ from hdi_monitor.events import DiversityEvent
 from hdi_monitor.evidence import DOCS, signal_of
 from hdi_monitor.exceptions import DiversityWarning
 
-__all__ = ["MAX_LINE", "dispatch_events", "event_line", "run_summary", "say", "summarize_events", "warn"]
+__all__ = ["MAX_LINE", "dispatch_events", "event_line", "run_summary", "say", "warn"]
 
 #: The longest event warning or summary line the monitor writes (the message; printed as
 #: ``hdi-monitor:0: DiversityWarning: <message>`` from the command line, 200 characters at most).
@@ -283,11 +283,6 @@ def event_line(
         line = f"{head}{_plural(len(warned), 'event')} warned; {SEE}"
     explained.update(chosen)
     return line
-
-
-def summarize_events(step: int, events: Sequence[DiversityEvent]) -> str:
-    """One line for the events of one measured step, every event counted as warned (see `event_line`)."""
-    return event_line(step, events, explained=set(evidence.EVIDENCE) | set(_KIND_WORDS) | {"redundancy"})
 
 
 def run_summary(events: Sequence[DiversityEvent], warned_signals: frozenset[str], measurements: int) -> str:
