@@ -300,10 +300,12 @@ def test_event_line_stays_short_with_every_kind_at_once():
     assert line.startswith("step 123456: ") and "monitor.events" in line
 
 
-def _plain_run(steps: int, every: int, **settings) -> tuple[HDITracker, list[str], list[warnings.WarningMessage]]:
-    """The demo model (weights fixed: lr 0) watched by a tracker in a plain loop; the monitor's
-    log lines and warnings."""
-    model = tiny_lm(lr=0.0)
+def _plain_run(
+    steps: int, every: int, tracker: HDITracker | None = None, **settings
+) -> tuple[HDITracker, list[str], list[warnings.WarningMessage]]:
+    """The demo model (weights fixed: lr 0) watched by a tracker in a plain loop (``tracker``: go on
+    with that one, a second run); the monitor's log lines and warnings."""
+    model = tiny_lm(lr=0.0) if tracker is None else tracker.model
     lines: list[str] = []
 
     class Keep(logging.Handler):
@@ -315,14 +317,16 @@ def _plain_run(steps: int, every: int, **settings) -> tuple[HDITracker, list[str
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    tracker = HDITracker(model, every_n_steps=every, projections=("key",), activations=False, strict=True, **settings)
+    if tracker is None:
+        tracker = HDITracker(
+            model, every_n_steps=every, projections=("key",), activations=False, strict=True, **settings
+        )
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(steps):
                 with tracker.capture(), torch.no_grad():
-                    model(tokens)
+                    pass  # weights only (activations off): the forward pass is not needed
                 tracker.step()
             tracker.close()
     finally:
@@ -414,6 +418,15 @@ def test_warmup_follows_the_cadence_and_is_said():
     tracker, lines, _ = _plain_run(50, 10)
     assert len(tracker.history) == 5
     assert lines[-1].startswith("hdi-monitor: the run ended inside the early-warning warm-up (step 40, 5 measurement")
+    # a second run of the same tracker goes on with its detectors: its 5 measurements are the warm-up's
+    # last (steps 50 to 90); a third run starts warm
+    tracker, lines, _ = _plain_run(50, 10, tracker=tracker)
+    assert lines[0].startswith("hdi-monitor: early-warning detectors warm up until step 90 (")
+    assert lines[-1].startswith("hdi-monitor: the run ended inside the early-warning warm-up (step 90,")
+    tracker, lines, _ = _plain_run(20, 10, tracker=tracker)
+    assert lines[0].startswith(
+        "hdi-monitor: early-warning detectors warm up no longer (10 measurements before step 100)"
+    )
 
 
 # ---------------------------------------------------------------------------- above the progress bar

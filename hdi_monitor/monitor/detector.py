@@ -263,6 +263,12 @@ class SaturationDetector:
         """The events issued so far, in order: the last `MAX_KEPT_EVENTS` (survives `state_dict`)."""
         return tuple(self._events)
 
+    @property
+    def seen(self) -> int:
+        """Measurements fed so far to its most-fed series, warm-up included (0 for a fresh detector;
+        a resumed one goes on counting)."""
+        return max((series.seen for series in self._series.values()), default=0)
+
     def best(self, layer: str, projection: Projection, metric: Metric = "hdi") -> float | None:
         """Best (highest) value of a series after warmup, or None before its first measurement."""
         series = self._series.get((layer, projection, metric))

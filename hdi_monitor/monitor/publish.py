@@ -448,10 +448,15 @@ class Publisher:
         if detector is None or not self.speaks:
             return None
         every = self.config.every_n_steps
+        # measurements fed before this one (this one is already fed): a resumed or continued run's
+        before = detector.seen - 1 if isinstance(detector, SaturationDetector) and detector.seen else 0
+        left = detector.warmup_measurements - before
         if detector.warmup_steps is not None:
             until = f"until step {detector.warmup_steps}"
+        elif left <= 0:
+            until = f"no longer ({before} measurements before step {first_step})"
         else:
-            last = first_step + (detector.warmup_measurements - 1) * every
+            last = first_step + (left - 1) * every
             until = f"until step {last} ({detector.warmup_measurements} measurements, every {every} steps)"
         warned = sorted(self.config.warned_signals)
         says = f"warn on {', '.join(warned)}" if warned else "log their events, none warns (warn_on=)"
@@ -473,6 +478,8 @@ class Publisher:
             warming = False
         elif detector.warmup_steps is not None:
             warming = self.last.step < detector.warmup_steps
+        elif isinstance(detector, SaturationDetector):
+            warming = detector.seen <= detector.warmup_measurements
         else:
             warming = count <= detector.warmup_measurements
         if n_events == 0 and warming:
@@ -485,7 +492,7 @@ class Publisher:
             line = run_summary(events, self.config.warned_signals, count)
             if not n_events and isinstance(detector, SaturationDetector) and detector.warmup_steps is None:
                 needed = detector.warmup_measurements + detector.patience + 1
-                if count < needed:
+                if detector.seen < needed:
                     line += f"; saturation is first judged at measurement {needed}"
             say(line)
 
