@@ -18,12 +18,18 @@ docstring line to `HDIMonitor.__init__` and `HDITrainerCallback.__init__`;
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, Literal
 
+from hdi_monitor import evidence
 from hdi_monitor._validation import check_bool, check_choice, check_choices, check_int, check_regex
 from hdi_monitor.events import DiversityEvent
+from hdi_monitor.evidence import KINDS_WITH_METRIC, SIGNALS
 from hdi_monitor.functional.diversity import Weighting
 from hdi_monitor.models import PROJECTIONS, AttentionSpec
 from hdi_monitor.models.base import Projection
@@ -37,14 +43,18 @@ __all__ = [
     "DEFAULT_MAX_IMAGE_LAYERS",
     "EventAction",
     "MonitorConfig",
+    "WARN_ON_NAMES",
     "SEED_MAX",
 ]
 
 #: The largest ``seed``: ``torch.Generator.manual_seed`` takes ``[0, 2**64 - 1]``.
 SEED_MAX = 2**64 - 1
 
-#: What a measured step's early-warning events trigger.
-EventAction = Literal["warn", "stop"] | Callable[[DiversityEvent], Any]
+#: What a measured step's early-warning events trigger (``on_event``).
+EventAction = Literal["warn", "log", "stop"] | Callable[[DiversityEvent], Any]
+#: The names ``warn_on`` takes: a signal (`hdi_monitor.evidence.SIGNALS`, e.g. ``"saturation/hdi"``)
+#: or an event kind with a metric (``"saturation"``, ``"collapse"``: both of its signals).
+WARN_ON_NAMES: tuple[str, ...] = (*KINDS_WITH_METRIC, *SIGNALS)
 #: Default of ``max_image_layers``: layers tiled in one overlap/correlation image at most.
 DEFAULT_MAX_IMAGE_LAYERS = 16
 #: Default of ``max_histogram_layers``: layers with a principal-angle histogram of their own at most.
@@ -77,9 +87,20 @@ class MonitorConfig:
             drawn with the monitor's own generator), shared evenly between the layer's calls in
             the step (micro-batches, a layer applied several times) as counted at the previous
             measured step; None keeps every token.
-        on_saturation: ``"warn"`` (one `DiversityWarning` per measured step with events),
-            ``"stop"`` (warn, and stop training on saturation or collapse) or a callable that
-            receives each `DiversityEvent`.
+        on_event: what the early-warning events do. ``"warn"`` (default): at most one line per
+            measured step for the events of the signals in ``warn_on`` (a `DiversityWarning`,
+            written above the progress bar), and one summary line at the end of the run;
+            ``"log"``: nothing is printed, every event is still recorded (``monitor.events``, the
+            Text tab, the event-count scalars); ``"stop"``: warn, and stop training at the first
+            event of a signal in ``warn_on``; or a callable, which receives every `DiversityEvent`
+            (nothing is printed). Every event is detected, recorded and drawn whatever this is.
+        warn_on: which signals warn (and stop, with ``on_event="stop"``): signal names
+            (``"saturation/hdi"``, ``"saturation/effective_heads"``, ``"collapse/hdi"``,
+            ``"collapse/effective_heads"``, ``"redundancy"``, ``"entropy_collapse"``,
+            ``"logit_blowup"``, ``"logit_bound"``, ``"update_entropy"``) or the kinds
+            ``"saturation"`` and ``"collapse"`` (both metrics); ``()`` warns on none. None (default)
+            warns on `hdi_monitor.evidence.DEFAULTS_ON`, the signals that beat every baseline of the
+            warnings study out of sample (see ``docs/early-warnings.md``).
         strict: raise internal errors instead of turning them into warnings (for tests).
         seed: seed of the monitor's own ``torch.Generator`` (the token subsample), an integer in
             ``[0, 2**64 - 1]`` (what ``torch.Generator.manual_seed`` takes). The global
@@ -110,6 +131,8 @@ class MonitorConfig:
             the first-order change of its query-key bilinear form between two consecutive measured
             steps, from the weights; keeps a CPU copy of every watched layer's query and key weights
             from one measured step to the next (their size in the weights' dtype).
+        on_saturation: deprecated alias of ``on_event`` (the name in 0.1.0; removed in 0.3.0): a
+            value given here is taken as ``on_event``, with a ``FutureWarning``.
 
     What needs the model (an attention layer found, a ``layers`` filter that matches) is checked
     when the tracker is set up, before the first step.
@@ -123,7 +146,8 @@ class MonitorConfig:
     log_images_every_n_steps: int | None = None
     activations: bool = True
     max_tokens: int | None = 4096
-    on_saturation: EventAction = "warn"
+    on_event: EventAction = "warn"
+    warn_on: tuple[str, ...] | None = None
     strict: bool = False
     seed: int = 0
     loss_tag: str | None = None
@@ -133,6 +157,7 @@ class MonitorConfig:
     image_queue_size: int = 2
     kernel_stats: bool = False
     update_entropy: bool = False
+    on_saturation: EventAction | None = None
 
     def __post_init__(self) -> None:
         check_int("every_n_steps", self.every_n_steps)
@@ -150,8 +175,13 @@ class MonitorConfig:
             check_int("log_images_every_n_steps", self.log_images_every_n_steps, low=0)
         if self.max_tokens is not None:
             check_int("max_tokens", self.max_tokens)
-        if not callable(self.on_saturation) and self.on_saturation not in ("warn", "stop"):
-            raise ValueError(f"on_saturation must be 'warn', 'stop' or a callable, got {self.on_saturation!r}")
+        if self.on_saturation is not None:
+            _deprecated_on_saturation(self.on_saturation, self.on_event)
+            object.__setattr__(self, "on_event", self.on_saturation)
+            object.__setattr__(self, "on_saturation", None)
+        if not callable(self.on_event) and self.on_event not in ("warn", "log", "stop"):
+            raise ValueError(f"on_event must be 'warn', 'log', 'stop' or a callable, got {self.on_event!r}")
+        object.__setattr__(self, "warn_on", _check_warn_on(self.warn_on))
         check_bool("activations", self.activations)
         check_bool("strict", self.strict)
         check_int("seed", self.seed, low=0, high=SEED_MAX)
@@ -163,6 +193,16 @@ class MonitorConfig:
         check_int("image_queue_size", self.image_queue_size)
         check_bool("kernel_stats", self.kernel_stats)
         check_bool("update_entropy", self.update_entropy)
+
+    @property
+    def warned_signals(self) -> frozenset[str]:
+        """The signals whose events warn: ``warn_on`` as signal names (a kind with a metric stands
+        for both of its signals), or `hdi_monitor.evidence.DEFAULTS_ON` when it is None."""
+        names = evidence.DEFAULTS_ON if self.warn_on is None else self.warn_on
+        out: set[str] = set()
+        for name in names:
+            out.update(s for s in SIGNALS if s.startswith(f"{name}/")) if name in KINDS_WITH_METRIC else out.add(name)
+        return frozenset(out)
 
     @property
     def image_every_n_steps(self) -> int:
@@ -197,13 +237,54 @@ class MonitorConfig:
         return dataclasses.replace(config, **fields) if fields else config
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a dict (``projections`` and ``layers`` as lists; ``spec`` and a callable
-        ``on_saturation`` as they are)."""
-        out = {f: getattr(self, f) for f in self.field_names()}
+        """The fields as a dict (``projections``, ``layers`` and ``warn_on`` as lists; ``spec`` and
+        a callable ``on_event`` as they are; not the deprecated ``on_saturation``)."""
+        out = {f: getattr(self, f) for f in self.field_names() if f != "on_saturation"}
         out["projections"] = list(self.projections)
+        if self.warn_on is not None:
+            out["warn_on"] = list(self.warn_on)
         if isinstance(self.layers, tuple):
             out["layers"] = list(self.layers)
         return out
+
+
+def _check_warn_on(warn_on: Any) -> tuple[str, ...] | None:
+    """``warn_on`` as a tuple of known names (a single string is one name); ValueError listing the
+    known names for any other."""
+    if warn_on is None:
+        return None
+    if isinstance(warn_on, str):
+        warn_on = (warn_on,)
+    if not isinstance(warn_on, Sequence) or not all(isinstance(n, str) for n in warn_on):
+        raise TypeError(f"warn_on must be None or a sequence of signal names, got {warn_on!r}")
+    unknown = [n for n in warn_on if n not in WARN_ON_NAMES]
+    if unknown:
+        raise ValueError(
+            f"warn_on names unknown signal(s) {', '.join(map(repr, unknown))}; the known names are "
+            f"{', '.join(WARN_ON_NAMES)} (None: the evidence-backed defaults, (): none)"
+        )
+    return tuple(dict.fromkeys(warn_on))
+
+
+def _deprecated_on_saturation(value: Any, on_event: Any) -> None:
+    """The ``FutureWarning`` of the deprecated ``on_saturation``, attributed to the caller's line
+    (the first frame outside hdi-monitor); ValueError when ``on_event`` says something else."""
+    if on_event != "warn" and on_event != value:
+        raise ValueError(f"give on_event, not on_saturation (its deprecated name): got both ({on_event!r}, {value!r})")
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame: FrameType | None = sys._getframe(1)
+    level = 2  # stacklevel 2: our caller
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename.startswith("<")
+    ):
+        frame, level = frame.f_back, level + 1
+    del frame
+    warnings.warn(
+        f"on_saturation is deprecated and will be removed in 0.3.0: pass on_event={value!r} instead (the same "
+        "values, plus 'log'; which signals warn is warn_on=)",
+        FutureWarning,
+        stacklevel=level,
+    )
 
 
 def _check_layers(layers: Any) -> str | tuple[str, ...] | None:

@@ -56,7 +56,8 @@ class DiversityEvent:
         chance: chance level of the metric when the caller knows it (for ``entropy_collapse``: the
             uniform-attention level ``ln(n_keys)``).
         pairs: ``(i, j, overlap_or_correlation)`` with ``i < j``, strongest first (redundancy only).
-        message: one readable sentence with the numbers and a suggestion.
+        message: one readable sentence with the numbers, what the warnings study measured for the
+            signal (`hdi_monitor.evidence`) and, only where the study backs one, a suggestion.
     """
 
     kind: EventKind

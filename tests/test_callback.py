@@ -212,6 +212,7 @@ def test_fit_twice_on_one_trainer_continues_history_and_detector(tmp_path):
         projections=("key",),
         activations=False,
         detector=SaturationDetector(patience=3, warmup_steps=0),
+        warn_on=("saturation",),
         strict=True,
     )
     t = pl.Trainer(
@@ -355,7 +356,8 @@ def test_hooks_removed_on_exception(tmp_path):
         ({"weighting": "svd"}, "weighting"),
         ({"log_images_every_n_steps": -1}, "log_images_every_n_steps"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"on_saturation": "explode"}, "on_saturation"),
+        ({"on_event": "explode"}, "on_event"),
+        ({"warn_on": ["saturaton"]}, "warn_on names unknown"),
     ],
 )
 def test_bad_arguments_fail_in_init(kwargs, match):

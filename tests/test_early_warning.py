@@ -22,7 +22,8 @@ def test_flat_hdi_fires_saturation_and_stop_ends_training_early(tmp_path):
         projections=("key",),
         activations=False,
         detector=SaturationDetector(patience=3, warmup_steps=0),
-        on_saturation="stop",
+        on_event="stop",
+        warn_on=("saturation",),
         strict=True,
     )
     t = trainer(tmp_path, monitor, max_steps=40)
@@ -51,6 +52,7 @@ def test_warn_mode_does_not_stop(tmp_path):
         projections=("key",),
         activations=False,
         detector=SaturationDetector(patience=2, warmup_steps=0),
+        warn_on=("saturation",),
     )
     t = trainer(tmp_path, monitor, max_steps=12)
     with pytest.warns(DiversityWarning, match="saturation"):
@@ -74,7 +76,7 @@ def test_tied_key_heads_get_a_redundancy_warning(tmp_path):
         every_n_steps=2,
         projections=("key",),
         detector=SaturationDetector(warmup_steps=0),
-        on_saturation=events.append,
+        on_event=events.append,
         strict=True,
     )
     trainer(tmp_path, monitor, max_steps=3).fit(model, loader())
@@ -101,6 +103,7 @@ def test_resumed_run_warns_exactly_like_an_uninterrupted_one(tmp_path):
             projections=("key", "query"),
             activations=False,
             detector=SaturationDetector(patience=2, warmup_steps=4, redundancy_threshold=0.99),
+            warn_on=("saturation", "redundancy"),
             strict=True,
         )
 
@@ -139,7 +142,10 @@ def test_at_most_one_warning_per_measured_step_pointing_at_user_code(tmp_path):
     _tie_key_heads(model, layer=0, a=1, b=3)
     _tie_key_heads(model, layer=1, a=0, b=2)
     monitor = HDIMonitor(
-        every_n_steps=2, detector=SaturationDetector(patience=2, warmup_steps=0, redundancy_threshold=0.99), strict=True
+        every_n_steps=2,
+        detector=SaturationDetector(patience=2, warmup_steps=0, redundancy_threshold=0.99),
+        warn_on=("saturation", "collapse", "redundancy"),
+        strict=True,
     )
     t = trainer(tmp_path, monitor, max_steps=9)
     with warnings.catch_warnings(record=True) as caught:
@@ -154,9 +160,9 @@ def test_at_most_one_warning_per_measured_step_pointing_at_user_code(tmp_path):
     assert len(ours) == len(steps) <= len(monitor.history)
     for w, step in zip(ours, steps, strict=True):
         assert w.filename == __file__ and w.lineno == fit_line, (w.filename, w.lineno)
-        if per_step[step] > 1:
-            assert str(w.message).startswith(f"hdi-monitor step {step}: ")
-            assert "see the Text tab" in str(w.message)
+        assert str(w.message).startswith(f"step {step}: ")
+        assert "see the Text tab (diversity_events/*) or monitor.events" in str(w.message)
+        assert len(str(w.message)) <= 165 and "\n" not in str(w.message)
     assert "2 redundant head pairs in 2 layers" in str(ours[0].message)
     accs = read_events(t.logger.log_dir)
     texts = sum(

@@ -451,6 +451,7 @@ def test_hf_resume_from_checkpoint_restores_history_and_detector(tmp_path):
             max_tokens=16,
             log_dir=str(tmp_path / "tb"),
             detector=SaturationDetector(patience=3, warmup_steps=0),
+            warn_on=("saturation",),
             log_images_every_n_steps=0,
             strict=True,
         )

@@ -281,6 +281,7 @@ def _flat_run(sinks, steps=6):
         log_images_every_n_steps=0,
         sinks=sinks,
         detector=SaturationDetector(patience=2, warmup_steps=0),
+        warn_on=("saturation",),
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -71,7 +71,8 @@ class MonitorSettings:
         log_images_every_n_steps: int | None = DEFAULTS.log_images_every_n_steps,
         activations: bool = DEFAULTS.activations,
         max_tokens: int | None = DEFAULTS.max_tokens,
-        on_saturation: EventAction = DEFAULTS.on_saturation,
+        on_event: EventAction = DEFAULTS.on_event,
+        warn_on: Sequence[str] | None = DEFAULTS.warn_on,
         strict: bool = DEFAULTS.strict,
         seed: int = DEFAULTS.seed,
         loss_tag: str | None = DEFAULTS.loss_tag,
@@ -81,6 +82,7 @@ class MonitorSettings:
         image_queue_size: int = DEFAULTS.image_queue_size,
         kernel_stats: bool = DEFAULTS.kernel_stats,
         update_entropy: bool = DEFAULTS.update_entropy,
+        on_saturation: EventAction | None = DEFAULTS.on_saturation,
         detector: DetectorArg = "default",
         activation_detector: DetectorArg = "default",
         state_key: str | None = None,
@@ -103,7 +105,8 @@ class MonitorSettings:
             log_images_every_n_steps=log_images_every_n_steps,
             activations=activations,
             max_tokens=max_tokens,
-            on_saturation=on_saturation,
+            on_event=on_event,
+            warn_on=_tuple(warn_on),
             strict=strict,
             seed=seed,
             loss_tag=loss_tag,
@@ -113,6 +116,7 @@ class MonitorSettings:
             image_queue_size=image_queue_size,
             kernel_stats=kernel_stats,
             update_entropy=update_entropy,
+            on_saturation=on_saturation,
         )
         self.detector = check_detector("detector", detector)
         self.activation_detector = check_detector("activation_detector", activation_detector)

@@ -58,7 +58,7 @@ resumed run measures, warns and subsamples exactly like an uninterrupted one. Th
 in ``on_train_begin`` on the callback instance you passed (its settings are kept), whether or not
 ``TrainingArguments.restore_callback_states_from_checkpoint`` is set. With that flag set the
 Trainer rebuilds the callback from the JSON-ready part of its arguments (a configured ``spec``,
-``detector`` or a callable ``on_saturation`` are then lost: leave the flag off to keep them). A
+``detector`` or a callable ``on_event`` are then lost: leave the flag off to keep them). A
 checkpoint never decides where files go: it holds no path, and the rebuilt callback writes where
 the one you passed would (its ``writer`` or ``log_dir``); a ``log_dir`` written into
 ``trainer_state.json``, or any saved attribute other than the monitor's state, is ignored with a
@@ -225,8 +225,8 @@ class HDITrainerCallback(MonitorSettings, TrainerCallback, ExportableState):
             no TensorBoard callback (see the module doc). Never saved in a checkpoint, and never
             read from one.
 
-    With ``on_saturation="stop"``, ``control.should_training_stop`` is set on saturation or
-    collapse. The defaults are those of `MonitorConfig`; a finished one is passed with
+    With ``on_event="stop"``, ``control.should_training_stop`` is set at the first event of a
+    signal in ``warn_on``. The defaults are those of `MonitorConfig`; a finished one is passed with
     `HDITrainerCallback.from_config`.
 
     Raises:
@@ -442,7 +442,7 @@ class HDITrainerCallback(MonitorSettings, TrainerCallback, ExportableState):
             self.tracker.stop_capture()
 
     def _check_stop(self, control: Any) -> None:
-        if self.config.on_saturation == "stop" and self.tracker is not None and self.tracker.stop_requested:
+        if self.config.on_event == "stop" and self.tracker is not None and self.tracker.stop_requested:
             control.should_training_stop = True
 
 

@@ -200,7 +200,7 @@ class HDIMonitor(MonitorSettings, Callback):
         if self.tracker.finish() is not None and (measurement := self.tracker.last_measurement) is not None:
             # what stock callbacks (EarlyStopping, ModelCheckpoint) read, under the logged names
             self._publish(trainer, measurement.series)
-        if self.config.on_saturation == "stop":
+        if self.config.on_event == "stop":
             # collective: every rank measures the same steps, so every rank reaches this call
             stop = trainer.strategy.reduce_boolean_decision(self.tracker.stop_requested, all=False)
             if stop:

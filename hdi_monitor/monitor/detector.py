@@ -30,6 +30,11 @@ mean over heads): **entropy_collapse** (the attention entropy falls below a frac
 and **logit_blowup** (the maximum attention logit passes a threshold or grows by a factor within a
 window). The events are `hdi_monitor.events.DiversityEvent` records.
 
+Each message states what was measured and what the warnings study measured for the signal out of
+sample (`hdi_monitor.evidence`); it advises an action (pruning, fewer heads, another H or d_k) only
+where the study backs it: the signal beats every baseline and, for pruning, the redundancy ablation
+beat random heads (``EVIDENCE["redundancy"].default_on``).
+
 The defaults were checked by ``benchmarks/warnings_study.py`` (30 small language models trained on
 real text, each event scored against what the held-out loss did next; see
 ``docs/early-warnings.md``), which set the kernel detector's thresholds.
@@ -47,6 +52,7 @@ from torch import Tensor
 
 from hdi_monitor._validation import check_choice, check_index, check_int, check_real
 from hdi_monitor.events import METRICS, PROJECTIONS, DiversityEvent, EventKind, Metric, Projection
+from hdi_monitor.evidence import backed, evidence_clause
 
 __all__ = [
     "ACTIVATION_COLLAPSE_DELTA",
@@ -257,6 +263,12 @@ class SaturationDetector:
         """The events issued so far, in order: the last `MAX_KEPT_EVENTS` (survives `state_dict`)."""
         return tuple(self._events)
 
+    @property
+    def seen(self) -> int:
+        """Measurements fed so far to its most-fed series, warm-up included (0 for a fresh detector;
+        a resumed one goes on counting)."""
+        return max((series.seen for series in self._series.values()), default=0)
+
     def best(self, layer: str, projection: Projection, metric: Metric = "hdi") -> float | None:
         """Best (highest) value of a series after warmup, or None before its first measurement."""
         series = self._series.get((layer, projection, metric))
@@ -343,13 +355,6 @@ class SaturationDetector:
         if self.warmup_steps is not None:
             return step < self.warmup_steps
         return seen <= self.warmup_measurements
-
-    def warmup_text(self, first_step: int, every_n_steps: int) -> str:
-        """How long this detector warms up, said once when a run starts measuring at ``first_step``."""
-        if self.warmup_steps is not None:
-            return f"until step {self.warmup_steps}"
-        last = first_step + (self.warmup_measurements - 1) * every_n_steps
-        return f"for the first {self.warmup_measurements} measurements (until step {last} at every_n_steps={every_n_steps})"
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state (ints, floats, strs, bools, None, lists, dicts): loadable with
@@ -487,36 +492,51 @@ class SaturationDetector:
             ref = f", below the {chance:.3f} chance level of random heads"
         else:
             ref = f", chance {chance:.3f}"
-        advice = (
-            "diversity has saturated with the heads more alike than random ones; prune redundant heads "
-            "or try fewer heads (H) or a smaller head width (d_k)"
-            if self._worse_than_chance(value, chance) and key[2] == "hdi"
-            else "diversity has saturated; if the loss has stalled too, consider pruning redundant heads "
-            "or changing H or d_k"
+        signal = f"saturation/{key[2]}"
+        below = self._worse_than_chance(value, chance) and key[2] == "hdi"
+        seen = (
+            "diversity has saturated with the heads more alike than random ones" if below else "diversity has saturated"
         )
+        if backed(signal) and backed("redundancy"):  # the study backs acting on it: the pruning advice
+            advice = (
+                "; prune redundant heads or try fewer heads (H) or a smaller head width (d_k)"
+                if below
+                else "; if the loss has stalled too, consider pruning redundant heads or changing H or d_k"
+            )
+        else:
+            advice = ""
         return (
             f"{self._subject(key)} has not improved by more than {self.min_delta:.3g} over the last "
-            f"{self.patience} measurements (now {value:.3f}, best {best:.3f}{ref}, step {step}): {advice}."
+            f"{self.patience} measurements (now {value:.3f}, best {best:.3f}{ref}, step {step}): {seen}{advice} "
+            f"({_evidence(signal)})."
         )
 
     def _collapse_message(self, key: _Key, step: int, value: float, best: float | None, chance: float | None) -> str:
         assert best is not None
         drop = best - value
+        signal = f"collapse/{key[2]}"
         head = (
             f"{self._subject(key)} fell by {drop:.3f} from its best {best:.3f} to {value:.3f} at step {step} "
             f"(more than the {self.collapse_delta:.3g} collapse threshold"
         )
-        if self._worse_than_chance(value, chance):
+        below = self._worse_than_chance(value, chance)
+        if backed(signal) and backed("redundancy"):
+            advice = (
+                "; if the loss has stalled, look for redundant head pairs, or reduce H or d_k"
+                if below
+                else "; if the loss has stalled, look for redundant head pairs"
+            )
+        else:
+            advice = ""
+        if below:
             return (
-                f"{head}), now below the {chance:.3f} chance level of random heads: the heads are converging "
-                "(heads converge in healthy runs too as they learn: alone, not a sign of a coming loss spike); "
-                "if the loss has stalled, look for redundant head pairs, or reduce H or d_k."
+                f"{head}), now below the {chance:.3f} chance level of random heads: the heads are converging, "
+                f"as they do in healthy runs too while they learn{advice} ({_evidence(signal)})."
             )
         ref = "" if chance is None else f"; chance {chance:.3f}"
         return (
-            f"{head}{ref}): the heads are becoming more alike (heads converge in healthy runs too as they "
-            "learn: alone, not a sign of a coming loss spike); if the loss has stalled, look for redundant "
-            "head pairs."
+            f"{head}{ref}): the heads are becoming more alike, as they do in healthy runs too while they "
+            f"learn{advice} ({_evidence(signal)})."
         )
 
     def _redundancy_message(
@@ -528,21 +548,31 @@ class SaturationDetector:
         notes = [f"step {step}"]
         if chance is not None and metric == "hdi":
             notes.insert(0, f"random heads overlap about {1.0 - chance:.2f}")
+        prune = backed("redundancy")  # pruning advice only where the ablation beat random heads
         if len(pairs) == 1:
             i, j, v = pairs[0]
+            advice = ": consider pruning one of them" if prune else ""
             return (
                 f"{where} {projection} heads {i} and {j} have {what} {v:.2f} (>= {self.redundancy_threshold:.2f} "
-                f"redundancy threshold; {'; '.join(notes)}): consider pruning one of them."
+                f"redundancy threshold; {'; '.join(notes)}){advice} ({_evidence('redundancy')})."
             )
         listed = ", ".join(f"{i} and {j} ({v:.2f})" for i, j, v in pairs[:_MAX_PAIRS_IN_MESSAGE])
         more = len(pairs) - _MAX_PAIRS_IN_MESSAGE
         if more > 0:
             listed += f" and {more} more pair{'s' if more > 1 else ''}"
+        advice = ": consider pruning one head of each pair, or fewer heads (H)" if prune else ""
         return (
             f"{where} {projection} head pairs {listed} have {what} at or above the "
-            f"{self.redundancy_threshold:.2f} redundancy threshold ({'; '.join(notes)}): consider pruning one "
-            "head of each pair, or fewer heads (H)."
+            f"{self.redundancy_threshold:.2f} redundancy threshold ({'; '.join(notes)}){advice} "
+            f"({_evidence('redundancy')})."
         )
+
+
+def _evidence(signal: str) -> str:
+    """The evidence clause of an event message: what the warnings study measured for ``signal``
+    out of sample, and whether it warns by default."""
+    clause = evidence_clause(signal)
+    return clause if backed(signal) else f"an observation, not a validated warning: {clause}"
 
 
 #: Effective-heads series: a rise of less than this many heads is no improvement.

@@ -9,12 +9,19 @@ from typing import Any
 
 from hdi_monitor._validation import check_index, check_int, check_real
 from hdi_monitor.events import DiversityEvent
+from hdi_monitor.evidence import backed, evidence_clause
 from hdi_monitor.monitor.detector import MAX_KEPT_EVENTS, _measurement
 
 __all__ = ["KernelDetector"]
 
 
 _KERNEL_STATE_VERSION = 1
+
+
+def _evidence(signal: str) -> str:
+    """What the warnings study measured for ``signal`` out of sample, for an event message."""
+    clause = evidence_clause(signal)
+    return clause if backed(signal) else f"an observation, not a validated warning: {clause}"
 
 
 class KernelDetector:
@@ -147,8 +154,13 @@ class KernelDetector:
                 message = (
                     f"Attention entropy of '{layer}' fell to {ent:.3f} nats at step {step}, below "
                     f"{self.entropy_fraction:.3g} of its best {best:.3f}{ref_text}: the heads attend to ever fewer "
-                    "keys (entropy collapse, which precedes loss spikes at high learning rates); consider QK-norm, "
-                    "a lower learning rate or a longer warmup."
+                    "keys (entropy collapse, reported to precede loss spikes at high learning rates)"
+                    + (
+                        "; consider QK-norm, a lower learning rate or a longer warmup"
+                        if backed("entropy_collapse")
+                        else ""
+                    )
+                    + f" ({_evidence('entropy_collapse')})."
                 )
                 events.append(
                     DiversityEvent(
@@ -177,8 +189,13 @@ class KernelDetector:
                     self._fired.add((layer, "logit_blowup"))
                     message = (
                         f"Maximum attention logit of '{layer}' is {top:.3f} at step {step}, {why}: the attention "
-                        "kernel is sharpening without bound (logit growth precedes loss spikes and divergence); "
-                        "consider QK-norm, qk-clip, a lower learning rate or more weight decay."
+                        "kernel is sharpening (logit growth is reported to precede loss spikes and divergence)"
+                        + (
+                            "; consider QK-norm, qk-clip, a lower learning rate or more weight decay"
+                            if backed("logit_blowup")
+                            else ""
+                        )
+                        + f" ({_evidence('logit_blowup')})."
                     )
                     events.append(
                         DiversityEvent(

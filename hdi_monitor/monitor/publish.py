@@ -7,8 +7,10 @@
 2. returns the published record (a new frozen `Measurement` with the events and series) after
    appending it to the bounded history and the kept events, so that no sink can lose them;
 3. says what the step noticed in one `MonitoringWarning` (layer changes, dead or non-finite heads,
-   dashboard writes that failed) and hands the events on (`dispatch_events`: warnings, a user
-   callable, or a request to stop);
+   dashboard writes that failed) and hands the events on (`dispatch_events`, per ``on_event`` and
+   ``warn_on``: one warning line for the warned signals, a user callable, or a request to stop);
+   says at the first measured step until when the detectors warm up, and at the end of the run
+   how many events it had (`Publisher.finish_run`);
 4. writes the scalars, the Custom Scalars layout (once per sink) and the events' text to every sink
    on the calling (training) thread, each sink alone and under its own lock;
 5. on image steps, prepares the pictures (`hdi_monitor.monitor.dashboard.Dashboard.image_job`:
@@ -29,7 +31,7 @@ from hdi_monitor.config import MonitorConfig
 from hdi_monitor.events import DiversityEvent
 from hdi_monitor.exceptions import MonitoringWarning
 from hdi_monitor.measure.measurement import Measurement, layer_tag
-from hdi_monitor.monitor._warnings import dispatch_events, say, warn
+from hdi_monitor.monitor._warnings import dispatch_events, run_summary, say, warn
 from hdi_monitor.monitor.dashboard import Dashboard
 from hdi_monitor.monitor.detector import DetectorArg, SaturationDetector, resolve_detectors
 from hdi_monitor.monitor.history import History
@@ -161,7 +163,7 @@ class Publisher:
 
     Args:
         config: the tracker's settings (read in place: ``strict``, ``projections``,
-            ``kernel_stats``, ``on_saturation``, the picture settings, ``history_budget``).
+            ``kernel_stats``, ``on_event``, ``warn_on``, the picture settings, ``history_budget``).
         sinks: where results go; ``writer`` (a ``SummaryWriter``) adds a `TensorBoardSink`.
         detector, activation_detector: see `hdi_monitor.monitor.detector.resolve_detectors`.
         kernel_detector: a `KernelDetector`, None, or ``"default"`` (one with the HDI detector's
@@ -226,6 +228,7 @@ class Publisher:
         self.stop_requested = False
         self.imaged_step: int | None = None  # last step whose pictures were queued
         self._run: list[int] = []  # this run's published measurements: [count, events, first step]
+        self._explained: set[str] = set()  # signals whose evidence this run's warnings have stated
         self._invalid_seen: set[tuple[str, str]] = set()
         self.wait_timeout = WAIT_SECONDS
         """Seconds the training thread waits for the picture worker at most (see `WAIT_SECONDS`)."""
@@ -276,9 +279,9 @@ class Publisher:
         published = dataclasses.replace(m, events=tuple(events), series=series, angle_work=())
         if not self._run:
             self._run = [0, 0, m.step]
-            if self.detector is not None:  # the one line on when the early warnings can first fire
-                every = self.config.every_n_steps
-                say(f"hdi-monitor: early warnings warm up {self.detector.warmup_text(m.step, every)}")
+            line = self.warmup_line(m.step)
+            if line is not None:
+                say(line)
         self._run[0] += 1
         self._run[1] += len(events)
         # results first, so that no sink can lose them; then the warnings; then the sinks, each alone
@@ -299,7 +302,9 @@ class Publisher:
                 MonitoringWarning,
                 rank_zero_only=True,
             )
-        if events and dispatch_events(m.step, events, config.on_saturation):
+        if events and dispatch_events(
+            m.step, events, config.on_event, config.warned_signals, explained=self._explained
+        ):
             self.stop_requested = True
         self._write(published, activations=activations)
         return published
@@ -422,27 +427,74 @@ class Publisher:
             warn("hdi-monitor: " + "; ".join(notes), MonitoringWarning, rank_zero_only=True)
         self._summarize_run()
 
+    @property
+    def speaks(self) -> bool:
+        """True when the run's lines are written (``on_event`` is ``"warn"`` or ``"stop"``; ``"log"``
+        and a callable print nothing)."""
+        return self.config.on_event in ("warn", "stop")
+
+    def _warmup(self) -> Any:
+        """The detector whose warm-up the run's lines describe (the HDI detector, else the kernel
+        detector), or None when no detector is on."""
+        if self.detector is not None:
+            return self.detector
+        return self.kernel_detector if self.config.kernel_stats else None
+
+    def warmup_line(self, first_step: int) -> str | None:
+        """The one line said at a run's first measured step: until which step the detectors warm
+        up, and which signals warn (None when nothing is said: no detector, or ``on_event`` is
+        ``"log"`` or a callable)."""
+        detector = self._warmup()
+        if detector is None or not self.speaks:
+            return None
+        every = self.config.every_n_steps
+        # measurements fed before this one (this one is already fed): a resumed or continued run's
+        before = detector.seen - 1 if isinstance(detector, SaturationDetector) and detector.seen else 0
+        left = detector.warmup_measurements - before
+        if detector.warmup_steps is not None:
+            until = f"until step {detector.warmup_steps}"
+        elif left <= 0:
+            until = f"no longer ({before} measurements before step {first_step})"
+        else:
+            last = first_step + (left - 1) * every
+            until = f"until step {last} ({detector.warmup_measurements} measurements, every {every} steps)"
+        warned = sorted(self.config.warned_signals)
+        says = f"warn on {', '.join(warned)}" if warned else "log their events, none warns (warn_on=)"
+        line = f"hdi-monitor: early-warning detectors warm up {until}; they {says}"
+        return line if len(line) <= 200 else f"hdi-monitor: early-warning detectors warm up {until}"
+
     def _summarize_run(self) -> None:
-        """The end-of-run line: the run's events, or that the run ended inside the warm-up."""
+        """The end-of-run line: that the run ended inside the warm-up, or its events (warned and
+        logged); nothing with ``on_event="log"`` or a callable."""
         if not self._run:
             return
-        count, events, _ = self._run
+        count, n_events, _ = self._run
         self._run = []
-        detector = self.detector
-        if detector is not None and self.last is not None and detector.warming(self.last.step, count):
+        self._explained = set()
+        if not self.speaks or self.last is None:
+            return
+        detector = self._warmup()
+        if detector is None:
+            warming = False
+        elif detector.warmup_steps is not None:
+            warming = self.last.step < detector.warmup_steps
+        elif isinstance(detector, SaturationDetector):
+            warming = detector.seen <= detector.warmup_measurements
+        else:
+            warming = count <= detector.warmup_measurements
+        if n_events == 0 and warming:
             say(
-                f"hdi-monitor: the run ended inside the early-warning warm-up ({count} measurement(s)); no early "
-                "warning could fire"
+                f"hdi-monitor: the run ended inside the early-warning warm-up (step {self.last.step}, {count} "
+                "measurement(s)): no event could fire; see warmup_measurements"
             )
-        elif events:
-            kinds: dict[str, int] = {}
-            for e in self.events[-events:]:
-                kinds[e.kind] = kinds.get(e.kind, 0) + 1
-            listed = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in kinds.items())
-            say(
-                f"hdi-monitor: {events} early-warning event(s) in this run ({listed}); see the Text tab "
-                "(diversity_events/*) or .events"
-            )
+        elif detector is not None or n_events:
+            events = self.events[-n_events:] if n_events else []
+            line = run_summary(events, self.config.warned_signals, count)
+            if not n_events and isinstance(detector, SaturationDetector) and detector.warmup_steps is None:
+                needed = detector.warmup_measurements + detector.patience + 1
+                if detector.seen < needed:
+                    line += f"; saturation is first judged at measurement {needed}"
+            say(line)
 
     def _write(self, m: Measurement, *, activations: bool) -> None:
         """Scalars, layout, levels and events to every sink, each guarded alone and under its lock:
@@ -508,6 +560,7 @@ class Publisher:
             ),
             "kernel_detector": self.kernel_detector.state_dict() if self.kernel_detector is not None else None,
             "unhealthy": sorted(self.dashboard.unhealthy),  # per-layer invalid-head charts kept on
+            "explained": sorted(self._explained),  # signals whose evidence this run's warnings stated
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -518,5 +571,6 @@ class Publisher:
             target = getattr(self, name)
             if target is not None and state.get(name) is not None:
                 target.load_state_dict(state[name])
+        self._explained = {str(s) for s in state.get("explained", [])}
         if state.get("unhealthy") is not None:  # replaces what this publisher logged before the load
             self.dashboard.unhealthy = {str(tag) for tag in state["unhealthy"]}

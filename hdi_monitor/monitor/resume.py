@@ -84,6 +84,7 @@ _STATE_TYPES: dict[str, tuple[type, ...]] = {
     "activation_detector": (dict,),
     "kernel_detector": (dict,),
     "unhealthy": (list,),
+    "explained": (list,),
     "generator": (str,),
     "settings": (dict,),
     "last_step": (int,),

@@ -143,7 +143,7 @@ class HDITracker:
     history = _Via("publisher", "history", "The bounded history of the measured steps.")
     events = _Via("publisher", "events", "The early-warning events (the last 1000).")
     last_measurement = _Via("publisher", "last", "The last published `Measurement`.")
-    stop_requested = _Via("publisher", "stop_requested", 'An event asked to stop (``on_saturation="stop"``).')
+    stop_requested = _Via("publisher", "stop_requested", 'An event asked to stop (``on_event="stop"``).')
     sinks = _Via("publisher", "sinks", "Where results go (a list; assign a new one to change them).")
     renderer = _Via("publisher", "renderer", "Draws an image step's pictures on the background worker.")
     dashboard = _Via("publisher", "dashboard", "Layout, kept summaries and pictures of this run.")
