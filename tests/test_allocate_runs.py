@@ -66,7 +66,7 @@ def _log_run(path, heads: int, width: int, n: float | None, loss: float, *, seed
     if n is not None:
         exp, ssi, sei = hparams({"train_tokens": n, "heads": heads}, {})
         for summary in (exp, ssi, sei):
-            writer.file_writer.add_summary(summary)
+            writer._get_file_writer().add_summary(summary)
     value = float(np.float32(loss))  # what TensorBoard keeps
     writer.add_scalar("val_loss", value, steps)
     writer.close()
