@@ -243,7 +243,8 @@ def train_run(spec: Spec, streams: tuple[Tensor, Tensor]) -> Run:
         {"train_tokens": spec.N, "d_model": spec.D, "num_heads": spec.H, "head_dim": spec.d_k, "seed": spec.seed},
         {},
     ):
-        writer._get_file_writer().add_summary(summary)  # what add_hparams does, without its sub-folder
+        assert writer.file_writer is not None
+        writer.file_writer.add_summary(summary)  # what add_hparams does, without its sub-folder
     tracker = HDITracker(
         model,
         writer=writer,

@@ -66,7 +66,8 @@ def _log_run(path, heads: int, width: int, n: float | None, loss: float, *, seed
     if n is not None:
         exp, ssi, sei = hparams({"train_tokens": n, "heads": heads}, {})
         for summary in (exp, ssi, sei):
-            writer._get_file_writer().add_summary(summary)
+            assert writer.file_writer is not None
+            writer.file_writer.add_summary(summary)
     value = float(np.float32(loss))  # what TensorBoard keeps
     writer.add_scalar("val_loss", value, steps)
     writer.close()
@@ -139,6 +140,12 @@ def test_tokens_argument_replaces_hparams(tmp_path, capsys):
     rc = main(["allocate", "--runs", str(tmp_path), "--metric", "val_loss", "--tokens", "5000"])
     err = capsys.readouterr().err
     assert rc == 2 and "2 runs cannot determine" in err and len(err.strip().splitlines()) == 1
+    # Lightning's hparams.yaml beside the event files gives N too
+    from hdi_monitor.contrib.allocation.runs import read_logged_run
+
+    (tmp_path / "r2" / "hparams.yaml").write_text("train_tokens: 1234\nlr: 0.003\n")
+    run = read_logged_run(tmp_path / "r2", "val_loss")
+    assert (run.num_heads, run.head_dim, run.n_train, run.loss) == (2, 4, 1234.0, float(np.float32(1.2)))
 
 
 @pytest.mark.parametrize(
