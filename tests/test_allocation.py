@@ -568,8 +568,8 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, extra, match):
 
 
 def test_cli_argument_errors_exit_2():
+    assert main(["allocate", "--train-size", "100"]) == 2  # --budget is optional with --runs: checked in run()
     for argv in (
-        ["allocate", "--train-size", "100"],
         ["allocate", "--budget", "0", "--train-size", "100"],
         ["allocate", "--budget", "64", "--train-size", "abc"],
     ):

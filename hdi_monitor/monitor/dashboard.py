@@ -16,7 +16,8 @@ The tracker measures; this module decides how the results are presented:
   the depth;
 * principal-angle histograms per layer, or per group of layers past `max_histogram_layers`
   (`Dashboard.histograms`);
-* the reference levels, once, as text (`Dashboard.levels_text`).
+* the reference levels and the watched layers' shapes (heads, head width), once, as text
+  (`Dashboard.levels_text`; `SHAPES_HEADER` heads the shapes table).
 
 The layout is plain data (`Layout`); `hdi_monitor.monitor.sinks.layout_proto` turns it into
 TensorBoard's protocol buffer.
@@ -45,8 +46,13 @@ __all__ = [
     "Category",
     "Chart",
     "LOSS_PATTERN",
+    "SHAPES_HEADER",
     "image_tags",
 ]
+
+#: Header row of the table of watched layers in the ``hdi_levels`` text: the split each layer
+#: has, which `hdi_monitor.cli.allocate` reads back from a run's event files.
+SHAPES_HEADER = "| layer | heads H | key/value heads | head width d_k | model width |"
 
 #: Custom Scalars regex for the training loss when no tag is given: any scalar tag whose last part
 #: is or contains a ``loss`` word (``train_loss``, ``loss``, ``train/loss``, ``train_loss_step``),
@@ -231,7 +237,8 @@ class Dashboard:
     @staticmethod
     def levels_text(report: DiversityReport, projections: Sequence[str]) -> str:
         """The reference levels per projection, once, as a Markdown table (for the Text tab): the
-        chance level and the frame bound (the largest HDI the shapes allow), with their caveats."""
+        chance level and the frame bound (the largest HDI the shapes allow), with their caveats;
+        then a table of the watched layers' shapes (`SHAPES_HEADER`: the split of each layer)."""
         rows = ["| projection | chance level (mean over layers) | frame bound (lowest layer) |", "|---|---|---|"]
         for p in projections:
             chance = [la.chance_hdi[p] for la in report.layers if la.hdi.get(p) is not None]
@@ -239,11 +246,20 @@ class Dashboard:
             c = f"{sum(chance) / len(chance):.4f}" if chance else "not measured"
             b = "not measured" if not caps else f"{min(caps):.4f}" + (" (does not bind)" if min(caps) >= 1.0 else "")
             rows.append(f"| {p} | {c} | {b} |")
-        return "\n".join(rows) + (
-            "\n\nThe chance level is the HDI of random Gaussian heads; with the spectral weighting it is "
-            "slightly biased low at small D * d. The frame bound is exact for the uniform overlap and holds "
-            "for the spectral one only for flat spectra. `hdi_max/<projection>` is logged only where it is "
-            "below 1."
+        shapes = [SHAPES_HEADER, "|---|---|---|---|---|"] + [
+            f"| {la.name or '<root>'} | {la.num_heads} | {la.num_kv_heads} | {la.head_dim} | {la.model_dim} |"
+            for la in report.layers
+        ]
+        return (
+            "\n".join(rows)
+            + (
+                "\n\nThe chance level is the HDI of random Gaussian heads; with the spectral weighting it is "
+                "slightly biased low at small D * d. The frame bound is exact for the uniform overlap and holds "
+                "for the spectral one only for flat spectra. `hdi_max/<projection>` is logged only where it is "
+                "below 1."
+            )
+            + "\n\nThe watched attention layers (what `hdi-monitor allocate --runs` reads as the split):\n\n"
+            + "\n".join(shapes)
         )
 
     # ------------------------------------------------------------------ pictures
