@@ -1,4 +1,4 @@
-"""The TensorBoard dashboards, read back from the event files (hdi_monitor.monitor.dashboard).
+"""The TensorBoard dashboards, read back from the event files (hdi_monitor.monitor._dashboard).
 
 References are independent of the drawing code: the scalar events (what the HDI was), the text
 events (what fired), matplotlib's own colour map for the pixels of the diversity map, and
@@ -17,7 +17,7 @@ from conftest import read_events, scalar_series
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from hdi_monitor.monitor.dashboard import Dashboard
+from hdi_monitor.monitor._dashboard import Dashboard
 from hdi_monitor.monitor.detector import SaturationDetector
 from hdi_monitor.monitor.render import ImageJob, diversity_map, render_job
 from hdi_monitor.monitor.tracker import HDITracker

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from hdi_monitor import HDITracker
 from hdi_monitor.evidence import backed
 from hdi_monitor.exceptions import DiversityWarning, MonitoringWarning
+from hdi_monitor.monitor._publish import feed_report
 from hdi_monitor.monitor.detector import SaturationDetector
 from hdi_monitor.monitor.kernel_detector import KernelDetector
-from hdi_monitor.monitor.publish import feed_report
 from hdi_monitor.report import DiversityReport, LayerDiversity
 
 transformers = pytest.importorskip("transformers")

@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from hdi_monitor import HDIMonitor, MonitoringWarning, SaturationDetector
 from hdi_monitor.integrations.loggers import LoggerSink, MLflowSink, WandbSink, sinks_for_loggers
-from hdi_monitor.monitor.dashboard import image_tags
+from hdi_monitor.monitor._dashboard import image_tags
 
 PROJECTIONS = ("query", "key", "value", "output")
 

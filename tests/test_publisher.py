@@ -139,7 +139,7 @@ def test_lightning_fit_with_a_stuck_renderer_returns(monkeypatch, tmp_path, fail
     import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    import hdi_monitor.monitor.publish as publish
+    import hdi_monitor.monitor._publish as publish
     from hdi_monitor import HDIMonitor
     from hdi_monitor.contrib.demo import CharDataModule, CharLM
 

@@ -5,7 +5,7 @@ A measured step (`hdi_monitor.measure.step.MeasuredStep`) returns a `Measurement
 its `hdi_monitor.report.DiversityReport` (per layer and projection: HDI, chance and maximum levels,
 invalid heads, overlap matrices, the logit bound; the head-output covariance results and kernel
 statistics of the step's forward pass) and what the step noticed. The publisher
-(`hdi_monitor.monitor.publish.Publisher`) makes a new record from it, adding the early-warning
+(`hdi_monitor.monitor._publish.Publisher`) makes a new record from it, adding the early-warning
 events and the scalar series; nothing changes a record once it is made. Every consumer reads
 records: the scalar tags, the history, the detectors, the dashboards, ``callback_metrics``, the CLI.
 Values stay typed (`Series` keys) until a sink writes them as tags; nothing parses a tag back.

@@ -1,6 +1,6 @@
 """`History`: the bounded, columnar store of every measured step's scalars.
 
-One column per typed series key (`hdi_monitor.monitor.tags.Series`), one row per kept measured
+One column per typed series key (`hdi_monitor.monitor._tags.Series`), one row per kept measured
 step, in a preallocated ``(columns, budget)`` float64 tensor: memory, the checkpoint
 (`History.state_dict`) and the diversity map's columns are bounded by ``budget`` whatever the run
 length (8 bytes per series per row, plus 16 bytes per row for the steps and the measurement

@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from hdi_monitor.monitor.dashboard import Layout
+from hdi_monitor.monitor._dashboard import Layout
 
 __all__ = ["Sink", "TensorBoardSink", "LoggerSink", "MemorySink", "layout_proto", "Image"]
 

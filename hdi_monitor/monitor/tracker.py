@@ -3,7 +3,7 @@
 The tracker only schedules. A measured step is a `hdi_monitor.measure.step.MeasuredStep` (the one
 weight read, the capture of the step's forward passes, the collectives) started from the model's
 `hdi_monitor.measure.watch.ModelWatch`; its frozen `Measurement` goes to the
-`hdi_monitor.monitor.publish.Publisher` (detectors, history, warnings, sinks, pictures). The
+`hdi_monitor.monitor._publish.Publisher` (detectors, history, warnings, sinks, pictures). The
 settings are one `hdi_monitor.config.MonitorConfig`, read in place.
 
 Two ways to drive it:
@@ -42,9 +42,9 @@ from torch import nn
 from hdi_monitor.config import MonitorConfig
 from hdi_monitor.exceptions import MonitoringWarning
 from hdi_monitor.measure import MeasuredStep, Measurement, ModelWatch, StepFailed
-from hdi_monitor.monitor import resume
+from hdi_monitor.monitor import _resume as resume
+from hdi_monitor.monitor._publish import DetectorArg, KernelDetectorArg, Publisher, Renderer
 from hdi_monitor.monitor._warnings import warn
-from hdi_monitor.monitor.publish import DetectorArg, KernelDetectorArg, Publisher, Renderer
 from hdi_monitor.monitor.sinks import Sink
 
 __all__ = ["HDITracker", "Measurement", "MonitorConfig", "MonitoringWarning"]

@@ -4,7 +4,7 @@ Each run folder holds the event files of one training run that `HDITracker` (or 
 Hugging Face callbacks) wrote to. From them:
 
 * the split ``(H, d_k)``: the table of watched attention layers in the monitor's ``hdi_levels``
-  text (`hdi_monitor.monitor.dashboard.SHAPES_HEADER`), written once per run; every layer must have
+  text (`hdi_monitor.monitor._dashboard.SHAPES_HEADER`), written once per run; every layer must have
   the same split;
 * the held-out loss: the last value (highest step) of the scalar tag the user names (``--metric``);
 * ``N``: given (``tokens``), or the run's hyperparameter ``tokens_key`` from Lightning's
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hdi_monitor.contrib.allocation.sweep import AllocationRun
-from hdi_monitor.monitor.dashboard import SHAPES_HEADER as _SHAPES_HEADER
+from hdi_monitor.monitor._dashboard import SHAPES_HEADER as _SHAPES_HEADER
 
 __all__ = ["LoggedRun", "SweepError", "check_sweep", "find_run_dirs", "read_logged_run", "read_logged_sweep"]
 

@@ -7,7 +7,7 @@ The tracker measures; this module decides how the results are presented:
   summaries and the event counts; per-layer lines in categories that start collapsed;
 * the summary scalars those charts read (the min and max over layers, event counts that are 0 on
   measured steps without events, the frame bound only where it binds) are made with the record's
-  other scalars, by `hdi_monitor.monitor.tags.scalar_tags`, which keeps in ``Dashboard.unhealthy``
+  other scalars, by `hdi_monitor.monitor._tags.scalar_tags`, which keeps in ``Dashboard.unhealthy``
   the layers whose invalid-head counts stay charted;
 * pictures on image steps (`Dashboard.image_job`, drawn off the training step by
   `hdi_monitor.monitor.render.render_job`): per projection a diversity map (HDI by layer and

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from hdi_monitor.events import DIVERSITY_EVENT_KINDS, KERNEL_EVENT_KINDS, DiversityEvent
 from hdi_monitor.measure.measurement import Series
-from hdi_monitor.monitor.dashboard import Dashboard
+from hdi_monitor.monitor._dashboard import Dashboard
 from hdi_monitor.report import ACTIVATIONS, DiversityReport
 
 __all__ = ["kernel_series", "record_series", "scalar_tags", "weight_signal_series"]

@@ -3,7 +3,7 @@
 `Publisher.publish` takes a frozen `hdi_monitor.measure.measurement.Measurement` and:
 
 1. feeds the early-warning detectors (the HDI series, the effective heads, the kernel statistics)
-   and makes the step's scalar series (`hdi_monitor.monitor.tags`), typed keys throughout;
+   and makes the step's scalar series (`hdi_monitor.monitor._tags`), typed keys throughout;
 2. returns the published record (a new frozen `Measurement` with the events and series) after
    appending it to the bounded history and the kept events, so that no sink can lose them;
 3. says what the step noticed in one `MonitoringWarning` (layer changes, dead or non-finite heads,
@@ -13,7 +13,7 @@
    how many events it had (`Publisher.finish_run`);
 4. writes the scalars, the Custom Scalars layout (once per sink) and the events' text to every sink
    on the calling (training) thread, each sink alone and under its own lock;
-5. on image steps, prepares the pictures (`hdi_monitor.monitor.dashboard.Dashboard.image_job`:
+5. on image steps, prepares the pictures (`hdi_monitor.monitor._dashboard.Dashboard.image_job`:
    copies of a few small tensors) and queues them for the background `ImageWorker`, which draws
    them, computes the principal angles left for it, and writes them.
 """
@@ -31,15 +31,15 @@ from hdi_monitor.config import MonitorConfig
 from hdi_monitor.events import DiversityEvent
 from hdi_monitor.exceptions import MonitoringWarning
 from hdi_monitor.measure.measurement import Measurement, layer_tag
+from hdi_monitor.monitor._dashboard import Dashboard
+from hdi_monitor.monitor._tags import scalar_tags
 from hdi_monitor.monitor._warnings import dispatch_events, run_summary, say, warn
-from hdi_monitor.monitor.dashboard import Dashboard
+from hdi_monitor.monitor._worker import ImageWorker, Stuck
 from hdi_monitor.monitor.detector import DetectorArg, SaturationDetector, resolve_detectors
 from hdi_monitor.monitor.history import History
 from hdi_monitor.monitor.kernel_detector import KernelDetector
 from hdi_monitor.monitor.render import Renderer, render_job
 from hdi_monitor.monitor.sinks import Sink, TensorBoardSink
-from hdi_monitor.monitor.tags import scalar_tags
-from hdi_monitor.monitor.worker import ImageWorker, Stuck
 from hdi_monitor.report import ACTIVATIONS, AngleWork, DiversityReport, compute_angles
 
 __all__ = ["MAX_EVENTS", "WAIT_SECONDS", "DetectorArg", "KernelDetectorArg", "Publisher", "Renderer", "feed_report"]
