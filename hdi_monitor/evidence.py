@@ -82,7 +82,8 @@ class Evidence:
         best_baseline_precision: that baseline's precision.
         default_on: True when it beats every baseline (the lower end of ``interval`` above
             ``best_baseline_precision``): it warns by default.
-        baselines: each baseline's precision, by name.
+        baselines: each baseline's precision, by name (None for a baseline that never fired on
+            the scored runs, so has no precision).
         events: how many events were scored (None when not given).
         runs_flagged: in how many runs it fired (None when not given).
     """
@@ -95,7 +96,7 @@ class Evidence:
     best_baseline: str
     best_baseline_precision: float
     default_on: bool
-    baselines: Mapping[str, float]
+    baselines: Mapping[str, float | None]
     events: int | None = None
     runs_flagged: int | None = None
 
@@ -122,7 +123,9 @@ def _evidence(signal: str, record: Mapping[str, Any]) -> Evidence:
         best_baseline=str(record["best_baseline"]),
         best_baseline_precision=float(record["best_baseline_precision"]),
         default_on=bool(record["default_on"]),
-        baselines=MappingProxyType({str(k): float(v) for k, v in record.get("baselines", {}).items()}),
+        baselines=MappingProxyType(
+            {str(k): None if v is None else float(v) for k, v in record.get("baselines", {}).items()}
+        ),
         events=None if record.get("events") is None else int(record["events"]),
         runs_flagged=None if record.get("runs_flagged") is None else int(record["runs_flagged"]),
     )

@@ -388,7 +388,7 @@ def test_messages_advise_no_action_without_evidence(with_evidence):
     pairwise[0, 1] = pairwise[1, 0] = 0.97
     (event,) = det.update(0, "l0", "key", 0.5, pairwise=pairwise)
     assert "prun" not in event.message and "fewer heads" not in event.message
-    assert "not a validated warning: no held-out evidence; docs/early-warnings.md" in event.message
+    assert "an observation, not a validated warning" in event.message and "docs/early-warnings.md" in event.message
     backed = json.loads(json.dumps(NEW_SCHEMA))
     backed["out_of_sample"]["redundancy"] = _signal(0.8, [0.7, 0.9], {"random_heads": 0.45}, True)
     backed["defaults_on"] = ["logit_blowup", "redundancy"]
@@ -404,15 +404,17 @@ def test_messages_advise_no_action_without_evidence(with_evidence):
 
 
 def test_warmup_follows_the_cadence_and_is_said():
-    """A 200-step run measured every 10 steps: the detectors warm up for 10 measurements (until step
+    """A 130-step run measured every 10 steps: the detectors warm up for 10 measurements (until step
     90), say so at the first measured step, and the end line says the run had no event and when
-    saturation is first judged; a run ending inside its warm-up is told so."""
-    tracker, lines, _ = _plain_run(200, 10)
+    saturation is first judged (after the warm-up and a full window of patience + 1 measurements);
+    a run ending inside its warm-up is told so."""
+    tracker, lines, _ = _plain_run(130, 10)
     assert tracker.detector.warmup_measurements == 10 and tracker.detector.warmup_steps is None
-    assert len(tracker.history) == 20
+    assert len(tracker.history) == 13
     assert lines[0].startswith("hdi-monitor: early-warning detectors warm up until step 90 (10 measurements, every 10")
-    assert lines[-1].startswith("hdi-monitor: 0 early-warning events in 20 measurements")
-    assert lines[-1].endswith("saturation is first judged at measurement 21")
+    assert lines[-1].startswith("hdi-monitor: 0 early-warning events in 13 measurements")
+    first = 10 + tracker.detector.patience + 1
+    assert first > 13 and lines[-1].endswith(f"saturation is first judged at measurement {first}")
     assert len(lines) == 2 and all(len(line) <= 200 for line in lines)
 
     tracker, lines, _ = _plain_run(50, 10)

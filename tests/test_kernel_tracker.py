@@ -271,12 +271,12 @@ def test_feed_report_feeds_layer_means_to_the_kernel_detector():
             max_attention_logit=torch.tensor([1.0, 3.0], dtype=torch.float64),
         )  # fmt: skip
 
-    det = KernelDetector(warmup_steps=0)
+    det = KernelDetector(warmup_steps=0, entropy_fraction=0.2)
     events = []
     for step, ent in enumerate([[1.0, 2.0], [1.6, 1.4], [0.2, float("nan")], [0.1, 0.5]]):
         report = DiversityReport(layers=[layer("mean", ent)], projections=(), weighting="spectral")
         events += feed_report(None, None, step, report, projections=(), kernel_detector=det)
-    # layer means (NaN heads left out): 1.5, 1.5, 0.2 -> 0.2 < 0.75 fires at step 2, as "mean_layer"
+    # layer means (NaN heads left out): 1.5, 1.5, 0.2 -> 0.2 < 0.2 * 1.5 fires at step 2, as "mean_layer"
     assert [(e.step, e.layer, e.value, e.best) for e in events] == [(2, "mean_layer", 0.2, 1.5)]
 
 

@@ -19,7 +19,7 @@ from scipy import stats
 from hdi_monitor.events import DiversityEvent
 from hdi_monitor.evidence import backed
 from hdi_monitor.exceptions import DiversityWarning
-from hdi_monitor.monitor.detector import SaturationDetector, redundant_pairs, theil_sen_slope
+from hdi_monitor.monitor.detector import SaturationDetector, redundant_pairs, resolve_detectors, theil_sen_slope
 from hdi_monitor.monitor.kernel_detector import KernelDetector
 
 LAYER = "encoder.layer.3.attention.self"
@@ -127,9 +127,14 @@ def test_one_warning_class_whatever_the_import_path():
 
 # ---------------------------------------------------------------------------- saturation
 
+#: The settings the analytic cases below are worked out for (the defaults before the held-out
+#: study; today's defaults are checked against the study in
+#: `test_defaults_are_the_settings_the_warnings_study_chose`).
+PINNED = {"patience": 10, "min_delta": 0.002, "collapse_delta": 0.05}
+
 
 def test_plateau_fires_after_warmup_plus_patience():
-    det = SaturationDetector()  # patience=10, warmup_steps=1000
+    det = SaturationDetector(**PINNED)  # patience=10 measurements after a warm-up of 10
     events = feed(det, [0.731] * 40, chance=CHANCE)
     # First counted measurement at step 1000; the window of patience + 1 = 11 is full at step 2000.
     assert kinds(events) == [("saturation", 2000)]
@@ -165,14 +170,14 @@ def test_linear_rise_fires_exactly_when_window_gain_at_most_min_delta(patience, 
     assert kinds(feed(flat, [0.5 + 0.8 * boundary * k for k in range(200)])) == [("saturation", patience * 100)]
 
 
-def test_slow_steady_rise_does_not_fire_with_defaults():
+def test_slow_steady_rise_does_not_fire():
     # +0.0005 HDI per measurement (0.005 per 1000 steps): slow, but 2.5 times min_delta per window.
-    det = SaturationDetector()
+    det = SaturationDetector(**PINNED)
     assert feed(det, [0.6 + 0.0005 * k for k in range(300)]) == []
 
 
 def test_noisy_rise_never_fires_and_noisy_plateau_always_does():
-    """Defaults; rise 0.002 per measurement with Gaussian noise sigma = 0.004 (twice the trend).
+    """`PINNED` settings; rise 0.002 per measurement with Gaussian noise sigma = 0.004 (twice the trend).
 
     Over the 11-point window the true gain is 0.02 and the Theil-Sen gain has a standard deviation
     of about 0.004, so one window falls to min_delta=0.002 with probability ~3e-6 (4.5 sigma);
@@ -181,7 +186,7 @@ def test_noisy_rise_never_fires_and_noisy_plateau_always_does():
     false_alarms = 0
     for trial in range(200):
         rng = random.Random(trial)
-        det = SaturationDetector()
+        det = SaturationDetector(**PINNED)
         events = feed(det, [0.5 + 0.002 * k + rng.gauss(0, 0.004) for k in range(110)])
         false_alarms += any(e.kind == "saturation" for e in events)
     assert false_alarms == 0
@@ -189,7 +194,7 @@ def test_noisy_rise_never_fires_and_noisy_plateau_always_does():
     delays = []
     for trial in range(200):
         rng = random.Random(10_000 + trial)
-        det = SaturationDetector()
+        det = SaturationDetector(**PINNED)
         events = feed(det, [0.5 + rng.gauss(0, 0.004) for _ in range(60)])
         fired = [e.step for e in events if e.kind == "saturation"]
         assert fired, f"plateau trial {trial} never fired"
@@ -230,7 +235,7 @@ def test_spike_does_not_stop_a_steady_rise_from_counting():
     of the window (0.001 * 10 = 0.01 > min_delta) keeps it quiet."""
     values = [0.6 + 0.001 * k for k in range(120)]
     values[30] += 0.049
-    det = SaturationDetector()  # defaults: patience 10, min_delta 0.002, collapse_delta 0.05
+    det = SaturationDetector(**PINNED)  # patience 10, min_delta 0.002, collapse_delta 0.05
     assert feed(det, values) == []
     assert det.best(LAYER, "key") == pytest.approx(0.6 + 0.001 * 119)
 
@@ -539,31 +544,29 @@ def test_load_state_dict_errors_and_shrinking_patience():
 
 
 def test_defaults_are_the_settings_the_warnings_study_chose():
-    """The detectors' defaults are the settings `benchmarks/warnings_study.py` chose (its results
-    file, one measurement per 100 steps for the warmup); where the study chose none (no setting beat
-    its baseline by the study's margin) the default is the one its runs used (warmup counted in
-    measurements, as the study did). A re-run of the study
-    that chooses differently fails here until the defaults (and docs/early-warnings.md) follow it."""
+    """The detectors' defaults are the settings `benchmarks/warnings_study.py` chose on all its runs
+    (``chosen_on_all_runs`` of its results file; warm-up counted in measurements, as the study
+    did). A re-run of the study that chooses differently fails here until the defaults (and
+    docs/early-warnings.md) follow it."""
     results = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/warnings_study.json").read_text())
-    if "chosen" in results:  # the first schema: per kind
-        chosen, used = results["chosen"], results["used_settings"]
-    else:  # the held-out schema: per signal, the settings chosen on all runs
-        on_all = results["chosen_on_all_runs"]
-        signal = {"saturation": "saturation/hdi", "collapse": "collapse/hdi"}
-        chosen = {
-            k: on_all.get(signal.get(k, k)) for k in ("saturation", "collapse", "entropy_collapse", "logit_blowup")
-        }
-        used = results.get("used_settings", {})
+    on_all = results["chosen_on_all_runs"]
     sat, ker = SaturationDetector(), KernelDetector()
-    pick = {kind: chosen[kind] if chosen[kind] is not None else used[kind] for kind in chosen}
-    assert (sat.patience, sat.min_delta) == (pick["saturation"]["patience"], pick["saturation"]["min_delta"])
+    hdi, act = resolve_detectors("default", "default")
+    assert hdi is not None and act is not None
+    for det, sig in ((hdi, "hdi"), (act, "effective_heads")):
+        assert (det.patience, det.min_delta, det.warmup_measurements) == (
+            on_all[f"saturation/{sig}"]["patience"],
+            on_all[f"saturation/{sig}"]["min_delta"],
+            on_all[f"saturation/{sig}"]["warmup_measurements"],
+        )
+        assert det.collapse_delta == on_all[f"collapse/{sig}"]["collapse_delta"]
+        assert det.redundancy_threshold == on_all["redundancy"]["redundancy_threshold"]
+    assert (sat.patience, sat.min_delta, sat.collapse_delta) == (hdi.patience, hdi.min_delta, hdi.collapse_delta)
     assert sat.warmup_steps is None and ker.warmup_steps is None  # warmup counted in measurements
-    assert sat.warmup_measurements == pick["saturation"]["warmup_measurements"] == ker.warmup_measurements
-    assert sat.collapse_delta == pick["collapse"]["collapse_delta"]
-    assert ker.entropy_fraction == pick["entropy_collapse"]["entropy_fraction"]
-    assert pick["entropy_collapse"]["warmup_measurements"] == pick["logit_blowup"]["warmup_measurements"]
-    assert ker.warmup_measurements == pick["entropy_collapse"]["warmup_measurements"]
+    assert ker.entropy_fraction == on_all["entropy_collapse"]["entropy_fraction"]
+    assert ker.warmup_measurements == on_all["entropy_collapse"]["warmup_measurements"]
+    assert ker.warmup_measurements == on_all["logit_blowup"]["warmup_measurements"]
     assert (ker.logit_threshold, ker.logit_growth) == (
-        pick["logit_blowup"]["logit_threshold"],
-        pick["logit_blowup"]["logit_growth"],
+        on_all["logit_blowup"]["logit_threshold"],
+        on_all["logit_blowup"]["logit_growth"],
     )

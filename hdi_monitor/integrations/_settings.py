@@ -42,14 +42,15 @@ class MonitorSettings:
             the module is imported, for ``help()`` and LightningCLI)
         detector: the early-warning detector of the HDI series (saturation, collapse, redundant
             pairs): a configured `SaturationDetector`, ``"default"`` (``SaturationDetector()``:
-            ``patience=10``, ``min_delta=0.002``, a warm-up of 10 measurements,
-            ``collapse_delta=0.05``, ``redundancy_threshold=0.9``) or None (no early warnings). Each new run gets an
+            ``patience=3``, ``min_delta=0.01``, a warm-up of 10 measurements,
+            ``collapse_delta=0.01``, ``redundancy_threshold=0.9``, the settings the warnings study
+            chose) or None (no early warnings). Each new run gets an
             untouched copy; the run's detector is the callback's ``tracker.detector``.
         activation_detector: the detector of the effective-heads series, in heads;
-            ``"default"`` takes ``detector``'s ``patience``, warm-up and
-            ``redundancy_threshold`` with thresholds in heads
-            (``hdi_monitor.monitor.detector.ACTIVATION_MIN_DELTA``, ``ACTIVATION_COLLAPSE_DELTA``),
-            and is off when ``detector`` is None.
+            ``"default"`` takes ``detector``'s warm-up and ``redundancy_threshold`` with the window
+            and thresholds in heads the study chose (``hdi_monitor.monitor.detector.ACTIVATION_PATIENCE``,
+            ``ACTIVATION_MIN_DELTA``, ``ACTIVATION_COLLAPSE_DELTA``; a configured ``detector``
+            passes on its ``patience``), and is off when ``detector`` is None.
         state_key: tells two monitors apart in a checkpoint (two monitors in one Trainer need one
             each).
 
