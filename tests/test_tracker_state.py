@@ -71,6 +71,7 @@ def test_a_weights_only_measurement_says_nothing_about_kernel_statistics():
     assert m is not None and m.report.layers[0].attention_entropy is not None
 
 
+@pytest.mark.filterwarnings("ignore:HDIMonitor. the Trainer has no logger")  # logger=False on purpose
 def test_a_resumed_lightning_run_publishes_its_last_measurement_at_once(tmp_path):
     """Issue 30 item 9: after a resume, ``hdi/...`` was missing from ``callback_metrics`` until the
     next measured step, so ``EarlyStopping(monitor="hdi/key/mean")`` failed with "metric not
