@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from hdi_monitor import head_diversity
 from hdi_monitor.ablation import (
     ablate_heads,
     combined_ranking,
@@ -68,7 +69,6 @@ from hdi_monitor.ablation.fidelity import (
 from hdi_monitor.cli.prune import format_table, plot
 from hdi_monitor.models import find_attention_layers
 from hdi_monitor.monitor.detector import redundant_pairs
-from hdi_monitor.report import head_diversity
 
 MODULES = (
     "argparse",
