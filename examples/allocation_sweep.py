@@ -13,19 +13,24 @@ The total width is fixed at D = H * d_k = 16 and the projections are trained wit
 leave-one-out training loss. The test loss (MSE against noisy targets, noise floor 0.01) is
 measured on 2000 fresh points, with the N training points as keys.
 
-Splits (H, d_k) in {(16,1), (8,2), (4,4), (2,8), (1,16)} at N in {256, 1024, 4096}, two seeds
-each (the seed draws the data and the initial projection, shared by all splits). The script
+Splits (H, d_k) in {(16,1), (8,2), (4,4), (2,8), (1,16)} at N in {128, 256, 512, 1024, 2048},
+``--seeds`` seeds each (default 3: 75 trainings of ``--steps`` 400 Adam steps; the seed draws the
+data and the initial projection, shared by all splits). ``--quick`` runs N in {64, 128, 256}, one
+seed, 30 steps. The script
 
-1. writes ``sweep.csv`` (H, d_k, N, seed-averaged loss, measured mean head-error correlation);
-2. fits the allocation law on N in {256, 1024} with the noise floor fixed at its known value,
-   then predicts the held-out N = 4096 losses and the best split there;
+1. writes ``sweep.csv`` (H, d_k, N, seed-averaged loss, measured mean head-error correlation, each
+   seed's loss);
+2. fits the allocation law on every N but the largest, with the noise floor fixed at its known
+   value, then predicts the held-out largest-N losses and the best split there;
 3. fits the law on all runs and reports d_k* against N (continuous and among the divisors);
 4. writes ``allocation.png`` and ``allocation.md`` into ``--out`` and prints what it found.
 
-The default ``--out`` is ``benchmarks/results/allocation_sweep/``: its ``allocation.md`` is the one
+The default ``--out`` is ``runs/allocation_sweep/``: the checkout is left alone. ``--write-docs``
+writes into ``benchmarks/results/allocation_sweep/`` instead, whose ``allocation.md`` is the one
 place the sweep's numbers are written down (docs/allocation.md includes it), so rerun the script
-instead of editing numbers by hand. Runs in about two minutes on 2 CPU cores (``--quick`` for a
-smoke run). Needs scipy (from a checkout: ``pip install -e '.[advisor]'``).
+with it instead of editing numbers by hand. Time: the default sweep took 122 s of CPU time with
+``--threads 1`` (measured on a shared 2-core machine, where it took 28 minutes of wall time at low
+priority; on a quiet core wall time is about the CPU time). Needs scipy (from a checkout: ``pip install -e '.[advisor]'``).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from hdi_monitor.contrib.allocation import (
 P, M, SIGMA = 12, 8, 0.1  # input dim, relevant coordinates, noise std
 TOTAL_DIM = 16
 N_TEST = 2000
+DOCS_OUT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "allocation_sweep"  # --write-docs
 
 
 def target(x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +113,12 @@ def train_and_test(H: int, n_train: int, seed: int, steps: int, batch: int, lr: 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/allocation_sweep", help="output folder")
+    parser.add_argument("--out", default=None, help="output folder (default: runs/allocation_sweep)")
+    parser.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="regenerate the tracked results: --out defaults to benchmarks/results/allocation_sweep",
+    )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch", type=int, default=64)
@@ -117,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         "--refit", action="store_true", help="skip training: fit and report from the sweep.csv already in --out"
     )
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = str(DOCS_OUT) if args.write_docs else "runs/allocation_sweep"
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -239,6 +239,7 @@ def test_histograms_per_layer_group(deep, small):
     assert tags == {f"principal_angles_deg/{p}/layers.{i}.self_attn" for p in PROJECTIONS for i in range(2)}
 
 
+@pytest.mark.filterwarnings("ignore::hdi_monitor.DiversityWarning")  # the events it counts
 def test_event_counts_have_a_point_at_every_measured_step(tmp_path):
     # a detector that calls every measurement after the first a plateau: saturation fires
     detector = SaturationDetector(patience=1, min_delta=10.0, warmup_steps=0, collapse_delta=10.0)

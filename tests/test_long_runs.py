@@ -131,6 +131,7 @@ def test_history_stays_within_its_budget_and_keeps_the_recent_window_whole():
     assert restored == history and restored.steps == steps
 
 
+@pytest.mark.filterwarnings("ignore::hdi_monitor.DiversityWarning")  # saturation events on the way
 def test_tracker_history_is_bounded_and_resumes(tmp_path):
     model = encoder(1)
     tracker = HDITracker(model, every_n_steps=1, projections=("key",), activations=False, history_budget=8)

@@ -241,6 +241,7 @@ def test_bad_arguments():
         compute_report(find_attention_layers(model), projections=("q",))
 
 
+@pytest.mark.filterwarnings("ignore:hdi_monitor. .*AttentionSpec query, key and value are slices:UserWarning")
 def test_layers_and_spec_pass_through():
     model = encoder(3)
     rep = head_diversity(model, layers=r"\.2\.")

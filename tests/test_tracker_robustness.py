@@ -107,6 +107,7 @@ def test_mha_recompute_is_float32_under_autocast():
     assert seen and all(d == torch.float32 for d in seen)
 
 
+@pytest.mark.filterwarnings("ignore:HDIMonitor. the Trainer has no logger")  # logger=False on purpose
 def test_late_state_restore_is_applied(tmp_path):
     """Strategies with restore_checkpoint_after_setup (FSDP, ModelParallel, DeepSpeed) call
     load_state_dict after on_fit_start, when the tracker exists."""

@@ -95,6 +95,7 @@ def _monitoring(caught) -> list[str]:  # noqa: ANN001
     return [str(w.message) for w in caught if issubclass(w.category, MonitoringWarning)]
 
 
+@pytest.mark.filterwarnings("ignore:HDIMonitor. the Trainer has no logger")  # logger=False on purpose
 @pytest.mark.parametrize("restore", ["before_setup", "after_setup"])
 def test_a_resumed_lightning_run_publishes_its_last_measurement_at_once(tmp_path, restore):
     """Issue 30 item 9: after a resume, ``hdi/...`` was missing from ``callback_metrics`` until the

@@ -24,7 +24,7 @@ from typing import Any
 from hdi_monitor import evidence
 from hdi_monitor.events import DiversityEvent
 from hdi_monitor.evidence import DOCS, signal_of
-from hdi_monitor.exceptions import DiversityWarning
+from hdi_monitor.exceptions import DiversityWarning, MonitoringWarning
 
 __all__ = ["MAX_LINE", "dispatch_events", "event_line", "run_summary", "say", "warn"]
 
@@ -177,14 +177,53 @@ def warn(message: str, category: type[Warning], *, rank_zero_only: bool = False)
     level = 2
     while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame, level = frame.f_back, level + 1
-    if frame is None or _is_launcher(frame):
+    with _category_shown():
+        if frame is None or _is_launcher(frame):
+            del frame
+            with _above_the_bar():
+                warnings.warn_explicit(message, category, filename=NO_USER_CODE, lineno=0, module="hdi_monitor")
+            return
         del frame
         with _above_the_bar():
-            warnings.warn_explicit(message, category, filename=NO_USER_CODE, lineno=0, module="hdi_monitor")
+            warnings.warn(message, category, stacklevel=level)
+
+
+def _with_category(format_warning: Any) -> Any:
+    """``format_warning`` (the installed ``warnings.formatwarning``), except that hdi-monitor's own
+    warnings are printed in Python's standard form, ``file:line: Category: message``. Lightning
+    replaces ``warnings.formatwarning`` with one that leaves out the category for every file whose
+    path contains "lightning" (meant for its own package), which a user's ``lightning_cli.py`` or a
+    project folder named after Lightning also matches."""
+
+    def formatwarning(
+        message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+    ) -> str:
+        if not issubclass(category, (DiversityWarning, MonitoringWarning)):
+            return str(format_warning(message, category, filename, lineno, line))
+        text = f"{filename}:{lineno}: {category.__name__}: {message}\n"
+        if line is None:
+            import linecache
+
+            line = linecache.getline(filename, lineno)
+        return text + (f"  {line.strip()}\n" if line and line.strip() else "")
+
+    formatwarning.keeps_category = True  # type: ignore[attr-defined]
+    return formatwarning
+
+
+@contextlib.contextmanager
+def _category_shown() -> Any:
+    """While one of our warnings is issued, the installed formatter keeps its category name."""
+    installed = warnings.formatwarning
+    if getattr(installed, "keeps_category", False):
+        yield
         return
-    del frame
-    with _above_the_bar():
-        warnings.warn(message, category, stacklevel=level)
+    warnings.formatwarning = _with_category(installed)
+    try:
+        yield
+    finally:
+        if getattr(warnings.formatwarning, "keeps_category", False):
+            warnings.formatwarning = installed
 
 
 _KIND_WORDS = {
