@@ -67,9 +67,9 @@ class HDIMonitor(MonitorSettings, Callback):
 
     trainer = L.Trainer(callbacks=[HDIMonitor(every_n_steps=100)], logger=TensorBoardLogger("runs"))
     # early-warning settings live on the detector (Lightning's EarlyStopping vocabulary)
-    HDIMonitor(every_n_steps=100, detector=SaturationDetector(patience=5, warmup_steps=500))
-    # the model-mean HDI is in trainer.callback_metrics: stock callbacks can watch it
-    EarlyStopping(monitor="hdi/key/mean", mode="max", patience=5)
+    HDIMonitor(every_n_steps=100, detector=SaturationDetector(patience=5, warmup_measurements=10))
+    # the HDI describes the heads, it is not a quality metric: stop a diverging run on the loss
+    EarlyStopping(monitor="val_loss", mode="min", divergence_threshold=10.0)
     ```
 
     Where it writes: to every logger of the Trainer. TensorBoard, Weights & Biases, MLflow and
@@ -80,9 +80,10 @@ class HDIMonitor(MonitorSettings, Callback):
     ``trainer.callback_metrics``: on every measured step the model-mean HDI per projection
     (``hdi/<projection>/mean``), the mean effective heads (``effective_heads/mean``) and the event
     counts (``diversity_events/<kind>``) are put there under their logged names (see
-    `published_metrics`), on every rank, so ``EarlyStopping(monitor="hdi/key/mean", mode="max")``
-    and ``ModelCheckpoint(monitor="hdi/key/mean", mode="max")`` work on them; between measured
-    steps they keep the last measured value.
+    `published_metrics`), on every rank, so stock callbacks can read them; between measured steps
+    they keep the last measured value. The HDI falls from the chance level as a model learns, so
+    ``mode="max"`` on it selects the least-trained weights: checkpoint on the validation loss (the
+    recipes in ``docs/integrations/lightning.md``).
 
     Settings: every argument of `hdi_monitor.integrations._settings.MonitorSettings` (the
     `MonitorConfig` fields, ``detector``, ``activation_detector`` and ``state_key``), named in the
