@@ -74,6 +74,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
 
 
+# ----------------------------------------------------------------------------- persistent gloo groups
+# The multi-process tests run their scenarios on ranks started once per session (tests/helpers/pool.py)
+# instead of launching a fresh group of interpreters per test.
+
+
+@pytest.fixture(scope="session")
+def gloo2(tmp_path_factory):
+    """Two ranks in one gloo process group for the whole session (`helpers.pool.RankPool`)."""
+    from helpers.pool import RankPool
+
+    pool = RankPool(2, tmp_path_factory.mktemp("gloo2"))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def gloo4(tmp_path_factory):
+    """Four ranks in one gloo process group for the whole session (a 2 x 2 mesh)."""
+    from helpers.pool import RankPool
+
+    pool = RankPool(4, tmp_path_factory.mktemp("gloo4"))
+    yield pool
+    pool.close()
+
+
 def read_events(log_dir: str | Path):
     """An EventAccumulator over every event file under ``log_dir``, keeping everything (size_guidance 0)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -422,20 +420,14 @@ DDP_SCRIPT = Path(__file__).parent / "scripts" / "compile_ddp.py"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["--unused", "--kernel-stats"]], ids=["hooks", "unused_output-kernel_stats"])
-def test_compiled_ddp_with_the_tracker_on_the_inner_module(tmp_path, extra):
+def test_compiled_ddp_with_the_tracker_on_the_inner_module(tmp_path, extra, gloo2):
     """``torch.compile(DDP(net))`` on 2 gloo ranks with ``HDITracker(net)``: on every rank the graphs,
     graph breaks and trained weights of the run without the monitor (with an output the loss does
     not use, DDP's default ``find_unused_parameters=False``: before, the run died at step 1,
     "Expected to have finished reduction"), the weight-based HDI and one warning on rank 0. The
     advice it gives, ``HDITracker(compiled)``, trains the same and measures the head outputs (and
     kernel statistics): step 0 equals one process measuring both ranks' batches."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::DeprecationWarning")
-    cmd = [sys.executable, str(DDP_SCRIPT), str(tmp_path), *extra]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=DDP_SCRIPT.parents[2])
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"compile_ddp.py did not finish in 600 s (deadlock?)\n{(err.stderr or b'')[-3000:]}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    gloo2.run(DDP_SCRIPT, "scenario", str(tmp_path), "--unused" in extra, "--kernel-stats" in extra, timeout_s=600)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for rank, runs in enumerate(ranks):
         errors = {run: res["error"] for run, res in runs.items() if "error" in res}

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -564,7 +562,7 @@ def test_bad_inputs_raise_clear_errors():
 
 
 @pytest.mark.slow
-def test_two_rank_sync_equals_one_rank(tmp_path):
+def test_two_rank_sync_equals_one_rank(tmp_path, gloo2):
     gen = torch.Generator().manual_seed(13)
     h, d, dim = 3, 4, 8
     width = h * d
@@ -580,14 +578,7 @@ def test_two_rank_sync_equals_one_rank(tmp_path):
     inputs, output = tmp_path / "inputs.pt", tmp_path / "output.pt"
     torch.save({"batches": batches, "assignment": assignment, "num_heads": h, "head_dim": d, "w_out": w_out}, inputs)
 
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "ddp_covariance.py"), str(inputs), str(output)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    gloo2.run(SCRIPTS / "ddp_covariance.py", "scenario", str(inputs), str(output), timeout_s=120)
     out = torch.load(output, weights_only=False)
 
     one = HeadCovarianceAccumulator(h, d, w_out=w_out)

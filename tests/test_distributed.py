@@ -1,9 +1,11 @@
 """HDIMonitor under DDP and FSDP2 (ModelParallelStrategy + fully_shard): 2-rank CPU runs over gloo.
 
 ``strategy="ddp"`` inside pytest re-runs the pytest command in the child rank, so every
-distributed run is a subprocess on ``tests/scripts/dist_monitor.py``; the tests read back its event
-files, per-rank JSON summaries and the measurements rank 0 saved. A run that deadlocks fails by the
-subprocess timeout (and every collective has a 60 s timeout inside the script).
+distributed run is ``tests/scripts/dist_monitor.py``'s ``main`` on the two ranks of the session's
+persistent gloo group (the ``gloo2`` fixture, ``tests/helpers/pool.py``: Lightning joins the group the
+ranks already hold, as under torchrun); the tests read back its event files, per-rank JSON summaries
+and the measurements rank 0 saved. A run that deadlocks fails by the pool's timeout (and every
+collective has a 60 s timeout in the group).
 
 References are independent of the monitor's distributed code: ``head_diversity()`` of the
 unsharded model built with the same seed (lr=0, so the weights never change), the script run in
@@ -15,8 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -50,17 +50,9 @@ PROJECTIONS = dm.PROJECTIONS
 TOKENS_PER_STEP = GLOBAL_BATCH * dm.MODEL_KW["seq_len"]
 
 
-def launch(out: Path, *extra: str, pg_timeout: float = 60.0) -> subprocess.CompletedProcess:
-    """Run the script as its own process group of ranks; fail with its output on error or timeout."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::DeprecationWarning")
-    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--pg-timeout", str(pg_timeout), *ARGS, *extra]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=SCRIPT.parents[2])
-    except subprocess.TimeoutExpired as err:
-        tail = (err.stderr or b"")[-3000:]
-        pytest.fail(f"{' '.join(cmd[2:])} did not finish in {TIMEOUT_S} s (deadlock?)\n{tail}")
-    assert proc.returncode == 0, f"{' '.join(cmd[2:])} exited with {proc.returncode}\n{proc.stderr[-4000:]}"
-    return proc
+def launch(pool, out: Path, *extra: str) -> None:
+    """Run the script's ``main`` on the two ranks of ``pool``; fail with their output on error or timeout."""
+    pool.run(SCRIPT, "main", ["--out", str(out), *ARGS, *extra], timeout_s=TIMEOUT_S)
 
 
 def summaries(out: Path) -> dict[int, dict]:
@@ -91,14 +83,14 @@ def read_events_file(path: Path):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, gloo2):
     """``runs(strategy)``: the output folder of one 2-rank run per strategy, launched on first use."""
     done: dict[str, Path] = {}
 
     def get(strategy: str) -> Path:
         if strategy not in done:
             out = tmp_path_factory.mktemp(strategy)
-            launch(out, "--strategy", strategy)
+            launch(gloo2, out, "--strategy", strategy)
             done[strategy] = out
         return done[strategy]
 
@@ -215,11 +207,11 @@ def test_fsdp2_gathers_one_layer_at_a_time(runs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["report", "hook", "compute"])
-def test_failure_on_one_rank_does_not_hang(where, tmp_path):
+def test_failure_on_one_rank_does_not_hang(where, tmp_path, gloo2):
     """Monitoring raises on rank 1 at step 2 only (while measuring the weights, or inside the
     head-output hook during the forward pass): both ranks warn-or-continue, drop that measurement,
     keep training, and finish; the other measured steps are logged."""
-    launch(tmp_path, "--strategy", "ddp", "--fail-rank", "1", "--fail-step", "2", "--fail-where", where, pg_timeout=30)
+    launch(gloo2, tmp_path, "--strategy", "ddp", "--fail-rank", "1", "--fail-step", "2", "--fail-where", where)
     ranks = summaries(tmp_path)
     assert sorted(ranks) == [0, 1], "a rank did not finish"
     assert ranks[0]["monitoring_warnings"] == []

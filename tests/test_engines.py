@@ -1,6 +1,7 @@
 """Tensor parallelism and DeepSpeed ZeRO-3: head counts and weights read whole.
 
-The multi-process runs are subprocesses on ``tests/scripts/tp_engines.py`` (2 gloo ranks on CPU). The
+The multi-process runs are ``tests/scripts/tp_engines.py``'s scenarios on the session's persistent gloo
+ranks (2, or 4 for a 2 x 2 mesh; ``tests/helpers/pool.py``), on CPU. The
 reference is independent of the sharding code: ``head_diversity()`` of the same model built unsharded in
 this process from the same seed. The head-count rules are also tested directly on
 `tp_head_counts`, against counts worked out by hand.
@@ -11,8 +12,6 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,16 +39,12 @@ def _load(name: str, path: Path):
 te = _load("tp_engines", SCRIPT)
 
 
-def launch(engine: str, out: Path, world: int = 2) -> dict[int, dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[2]), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, str(SCRIPT), "--engine", engine, "--out", str(out)]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=SCRIPT.parents[2])
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"{engine} did not finish in {TIMEOUT_S} s (deadlock?)\n{(err.stderr or b'')[-3000:]}")
-    assert proc.returncode == 0, f"{engine} exited with {proc.returncode}\n{proc.stderr[-4000:]}"
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
+def launch(pool, engine: str, out: Path) -> dict[int, dict]:
+    """Run ``engine`` (`tp_engines.scenario`) on the ranks of ``pool``, the session's persistent gloo group
+    (``tests/helpers/pool.py``); each rank's result. A deadlock fails by the pool's timeout."""
+    out.mkdir(parents=True, exist_ok=True)
+    pool.run(SCRIPT, "scenario", engine, str(out), timeout_s=TIMEOUT_S)
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(pool.world)}
 
 
 def reference(model) -> dict[str, dict[str, float]]:
@@ -89,8 +84,8 @@ def test_tp_counts_undecidable_or_uneven_are_refused() -> None:
 
 
 @pytest.mark.slow
-def test_plain_module_tp_with_num_heads_divided(tmp_path: Path) -> None:
-    ranks = launch("plain_tp", tmp_path)
+def test_plain_module_tp_with_num_heads_divided(tmp_path: Path, gloo2) -> None:
+    ranks = launch(gloo2, "plain_tp", tmp_path)
     want = reference(te.build_plain())
     for r, res in ranks.items():
         assert res["skipped"] == {}, r
@@ -117,8 +112,8 @@ def test_plain_module_tp_with_num_heads_divided(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_transformers_tp_plan_auto(tmp_path: Path) -> None:
-    ranks = launch("hf_tp", tmp_path)
+def test_transformers_tp_plan_auto(tmp_path: Path, gloo2) -> None:
+    ranks = launch(gloo2, "hf_tp", tmp_path)
     want = reference(te.build_llama())
     for res in ranks.values():
         assert res["mesh_dim_names"] == ["tp"] and res["q_placements"] == ["S(0)"]
@@ -136,9 +131,9 @@ def test_transformers_tp_plan_auto(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_deepspeed_zero3(tmp_path: Path) -> None:
+def test_deepspeed_zero3(tmp_path: Path, gloo2) -> None:
     pytest.importorskip("deepspeed")
-    ranks = launch("zero3", tmp_path)
+    ranks = launch(gloo2, "zero3", tmp_path)
     want = reference(te.build_plain())
     for res in ranks.values():
         assert res["partitioned_shapes"] == [[0]]  # really partitioned outside the forward pass
@@ -172,10 +167,11 @@ def assert_same_statistics(got_steps: list, want_steps: list) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["plain_tp_track", "fsdp_tp_track", "zero3_track"])
-def test_tracker_under_tp_equals_one_process(engine: str, tmp_path: Path, single_track: dict) -> None:
+def test_tracker_under_tp_equals_one_process(engine: str, tmp_path: Path, single_track: dict, request) -> None:
     if engine.startswith("zero3"):
         pytest.importorskip("deepspeed")
-    ranks = launch(engine, tmp_path, world=te.WORLD.get(engine, te.WORLD_SIZE))
+    pool = request.getfixturevalue("gloo4" if te.WORLD.get(engine, te.WORLD_SIZE) == 4 else "gloo2")
+    ranks = launch(pool, engine, tmp_path)
     for res in ranks.values():
         assert_same_statistics(res["with"]["steps"], single_track["steps"])
         # the monitor never changes training: same losses and weights, bit for bit
@@ -188,8 +184,8 @@ def test_tracker_under_tp_equals_one_process(engine: str, tmp_path: Path, single
 
 
 @pytest.mark.slow
-def test_tp_gather_is_bounded_by_max_tokens_and_equals_one_process(tmp_path: Path) -> None:
-    ranks = launch("plain_tp_subsample", tmp_path)
+def test_tp_gather_is_bounded_by_max_tokens_and_equals_one_process(tmp_path: Path, gloo2) -> None:
+    ranks = launch(gloo2, "plain_tp_subsample", tmp_path)
     want = te.track(te.build_plain(), 0, 1, max_tokens=te.SUBSAMPLE)["steps"]
     assert te.SUBSAMPLE < te.GLOBAL_BATCH * te.SEQ
     for res in ranks.values():
@@ -206,15 +202,9 @@ def test_tp_gather_is_bounded_by_max_tokens_and_equals_one_process(tmp_path: Pat
 LIGHTNING = Path(__file__).parent / "scripts" / "tp_lightning.py"
 
 
-def launch_lightning(out: Path, *extra: str) -> dict[int, dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[2]), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, str(LIGHTNING), "--out", str(out), *extra]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=SCRIPT.parents[2])
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"{cmd[2:]} did not finish in {TIMEOUT_S} s (deadlock?)\n{(err.stderr or b'')[-3000:]}")
-    assert proc.returncode == 0, f"{cmd[2:]} exited with {proc.returncode}\n{proc.stderr[-4000:]}"
+def launch_lightning(pool, out: Path, *extra: str) -> dict[int, dict]:
+    """``tp_lightning.py``'s ``main`` on the ranks of ``pool`` (Lightning joins their group, as under torchrun)."""
+    pool.run(LIGHTNING, "main", ["--out", str(out), *extra], timeout_s=TIMEOUT_S)
     return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
 
 
@@ -223,9 +213,9 @@ def _unprefixed(steps: list) -> list:
 
 
 @pytest.mark.slow
-def test_lightning_model_parallel_tp2(tmp_path: Path, single_track: dict) -> None:
-    ranks = launch_lightning(tmp_path / "with")
-    plain = launch_lightning(tmp_path / "without", "--no-monitor")
+def test_lightning_model_parallel_tp2(tmp_path: Path, single_track: dict, gloo2) -> None:
+    ranks = launch_lightning(gloo2, tmp_path / "with")
+    plain = launch_lightning(gloo2, tmp_path / "without", "--no-monitor")
     assert set(ranks) == set(plain) == {0, 1}
     for r, res in ranks.items():
         assert res["mesh_dim_names"] == ["data_parallel", "tensor_parallel"]
@@ -241,30 +231,20 @@ def test_lightning_model_parallel_tp2(tmp_path: Path, single_track: dict) -> Non
 
 
 @pytest.mark.slow
-def test_lightning_fsdp2_plus_tp_2x2(tmp_path: Path, single_track: dict) -> None:
-    ranks = launch_lightning(tmp_path, "--dp", "2")
+def test_lightning_fsdp2_plus_tp_2x2(tmp_path: Path, single_track: dict, gloo4) -> None:
+    ranks = launch_lightning(gloo4, tmp_path, "--dp", "2")
     assert set(ranks) == {0, 1, 2, 3}
     for res in ranks.values():
         assert_same_statistics(_unprefixed(res["steps"]), single_track["steps"])
 
 
 @pytest.mark.slow
-def test_hf_trainer_with_zero3(tmp_path: Path) -> None:
+def test_hf_trainer_with_zero3(tmp_path: Path, gloo2) -> None:
     pytest.importorskip("deepspeed")
     pytest.importorskip("accelerate")
     script = Path(__file__).parent / "scripts" / "hf_zero3.py"
     hz = _load("hf_zero3", script)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[2]), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(script), "--out", str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        cwd=SCRIPT.parents[2],
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    gloo2.run(script, "scenario", str(tmp_path), timeout_s=TIMEOUT_S)
     # the reference: the one-shot API on the unsharded model, same weights, the step's whole global batch
     want = head_diversity(te.build_llama(), inputs={"input_ids": hz.samples()})
     for r in range(2):
@@ -298,8 +278,8 @@ def test_megatron_core_attention_is_refused_out_loud() -> None:
 
 
 @pytest.mark.slow
-def test_pipeline_stages_are_refused_at_setup_on_every_rank(tmp_path: Path) -> None:
-    ranks = launch("stage_mismatch", tmp_path)
+def test_pipeline_stages_are_refused_at_setup_on_every_rank(tmp_path: Path, gloo2) -> None:
+    ranks = launch(gloo2, "stage_mismatch", tmp_path)
     assert set(ranks) == {0, 1}
     for res in ranks.values():
         for activations in ("True", "False"):

@@ -1,7 +1,7 @@
 """HDITracker under FSDP1 (``FullyShardedDataParallel``): a 2-rank gloo run on CPU, and name stripping.
 
-The distributed run is a subprocess on ``tests/scripts/fsdp1_tracker.py`` (FSDP1 needs a process
-group; a subprocess keeps it out of the pytest process). References are independent of the
+The distributed run is ``tests/scripts/fsdp1_tracker.py``'s scenario on the session's persistent gloo
+ranks (FSDP1 needs a process group; ``tests/helpers/pool.py`` keeps it out of the pytest process). References are independent of the
 monitor's FSDP code: ``head_diversity()`` of the unsharded model built with the same seed (lr=0,
 so the weights never change), ``head_diversity(inputs=global batch)`` in one process for the
 head-output covariance, the unsharded model's own forward pass for the training loss, and scipy's
@@ -11,8 +11,6 @@ head-output covariance, the unsharded model's own forward pass for the training 
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -46,15 +44,9 @@ script = _load_script()
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs(tmp_path_factory, gloo2) -> dict:
     out = tmp_path_factory.mktemp("fsdp1") / "fsdp1.pt"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::DeprecationWarning,ignore::FutureWarning")
-    cmd = [sys.executable, str(SCRIPT), str(out), "--pg-timeout", "60"]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=SCRIPT.parents[2])
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"the FSDP1 run did not finish in {TIMEOUT_S} s (deadlock?)\n{err.stdout}\n{err.stderr}")
-    assert proc.returncode == 0, f"FSDP1 run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    gloo2.run(SCRIPT, "scenario", str(out), timeout_s=TIMEOUT_S)
     results = torch.load(out, weights_only=False)
     assert sorted(results) == sorted(CONFIGS)
     return results

@@ -535,20 +535,13 @@ def test_one_token_decoding_with_cache_matches_the_full_forward(impl):
         )
 
 
-def test_sync_over_two_gloo_ranks(tmp_path):
+def test_sync_over_two_gloo_ranks(tmp_path, gloo2):
     """Entropy and uniform sums and counts add over ranks, maxima take the maximum (2 processes)."""
     import importlib.util
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     script = Path(__file__).parent / "scripts" / "kernel_sync.py"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(script.parents[2]))
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    gloo2.run(script, "scenario", str(tmp_path), timeout_s=120)
     spec = importlib.util.spec_from_file_location("kernel_sync", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

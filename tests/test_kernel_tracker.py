@@ -277,22 +277,15 @@ def test_feed_report_feeds_layer_means_to_the_kernel_detector():
     assert [(e.step, e.layer, e.value, e.best) for e in events] == [(2, "mean_layer", 0.2, 1.5)]
 
 
-def test_two_data_parallel_ranks_sum_to_the_single_process_measurement(tmp_path):
+def test_two_data_parallel_ranks_sum_to_the_single_process_measurement(tmp_path, gloo2):
     """Each of 2 gloo ranks measures half the batch; after the tracker's sum both hold the
     one-process measurement of the whole batch (entropy and uniform level to 1e-5, the same
     maximum logit and query counts)."""
     import importlib.util
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     script = Path(__file__).parent / "scripts" / "kernel_tracker_ddp.py"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(script.parents[2]))
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    gloo2.run(script, "scenario", str(tmp_path), timeout_s=300)
     spec = importlib.util.spec_from_file_location("kernel_tracker_ddp", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

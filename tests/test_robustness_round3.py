@@ -619,20 +619,12 @@ def test_rank_fingerprints_name_the_setting_that_differs():
 
 
 @pytest.mark.slow
-def test_ddp_ranks_that_disagree_raise_the_same_clear_error_on_every_rank(tmp_path):
+def test_ddp_ranks_that_disagree_raise_the_same_clear_error_on_every_rank(tmp_path, gloo2):
     import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     script = Path(__file__).parent / "scripts" / "rank_disagreement.py"
-    root = str(Path(__file__).parent.parent)
-    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "out.json")], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    gloo2.run(script, "scenario", str(tmp_path / "out.json"), timeout_s=240)
     per_rank = [json.loads((tmp_path / f"out.json.{r}").read_text()) for r in (0, 1)]
     # a rank that found no layer raises its own error; the other names it instead of waiting
     none_0, none_1 = (r.pop("no layer on rank 1") for r in per_rank)
