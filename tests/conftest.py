@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# one thread per pytest-xdist worker (two workers share CI's two cores), at most two otherwise
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
@@ -34,21 +35,43 @@ _SLOW_FOLDERS = ("integration", "distributed")
 _POOLS = ("gloo2", "gloo4")
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the slow tier by folder (and the tests on the rank pools); under pytest-xdist's
-    ``--dist loadgroup``, keep every test on the pools in one worker, so each pool starts once."""
+    """Mark the slow tier by folder, and the tests on the rank pools wherever they sit."""
     here = Path(__file__).parent
     for item in items:
         try:
             top = item.path.relative_to(here).parts[0]
         except ValueError:
             continue
-        on_pools = any(pool in getattr(item, "fixturenames", ()) for pool in _POOLS)
-        if top in _SLOW_FOLDERS or on_pools:
+        if top in _SLOW_FOLDERS or any(pool in getattr(item, "fixturenames", ()) for pool in _POOLS):
             item.add_marker(pytest.mark.slow)
-        if on_pools:
-            item.add_marker(pytest.mark.xdist_group("gloo"))
+
+
+def _uses_pools(path: Path) -> bool:
+    """Whether the test file at ``path`` names a rank pool fixture."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return any(pool in text for pool in _POOLS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist (``-n 2``), one work unit per test file, so a file's module fixtures (a
+    trained 24-layer model, the distributed runs) are built once, and one unit for every file that
+    uses the rank pools, so each pool starts once, in one worker. (xdist 3.8's own ``loadgroup``
+    cannot regroup under pytest 9: it renames ``item._nodeid``, which pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = config.rootpath
+
+    class FilesAndPools(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "rank pools" if _uses_pools(root / path) else path
+
+    return FilesAndPools(config, log)
 
 
 # ----------------------------------------------------------------------------- persistent gloo groups
