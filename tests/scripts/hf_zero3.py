@@ -1,5 +1,5 @@
 """HDITrainerCallback under the Hugging Face Trainer with DeepSpeed ZeRO-3, on CPU (gloo): a script for
-``tests/test_engines.py``.
+``tests/distributed/test_tensor_parallel_zero3.py``.
 
 Run it as a script (it starts its own 2 ranks; the tests call `scenario` on the ranks of a persistent gloo
 group instead)::

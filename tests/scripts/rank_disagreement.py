@@ -1,4 +1,4 @@
-"""Two gloo ranks whose monitors disagree: a script for tests/test_robustness_round3.py.
+"""Two gloo ranks whose monitors disagree: a script for tests/unit/test_robustness_round3.py.
 
     python tests/scripts/rank_disagreement.py OUT.json
 

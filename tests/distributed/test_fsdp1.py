@@ -25,7 +25,7 @@ from hdi_monitor.models import AttentionSpec, find_attention_layers
 from hdi_monitor.models.discovery import unwrapped_name
 from hdi_monitor.models.sharding import contains_fsdp1, fsdp1_units, full_weights, gathers_weights
 
-SCRIPT = Path(__file__).parent / "scripts" / "fsdp1_tracker.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "fsdp1_tracker.py"
 TIMEOUT_S = 120
 CONFIGS = ["orig_params=False", "orig_params=True"]
 

@@ -30,12 +30,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from test_compile_checkpoint import EVERY, MEASURED, SPEC, DropNet, _dynamo_counts, batches
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from hdi_monitor import HDIMonitor, HDITracker
 from hdi_monitor.monitor.tracker import MonitoringWarning
+from integration.test_compile_checkpoint import EVERY, MEASURED, SPEC, DropNet, _dynamo_counts, batches
 
 PATTERNS = ["module", "forward", "function"]
 LAYERS = ["blocks.0.attn", "blocks.1.attn"]
@@ -415,7 +415,7 @@ def test_a_traced_hook_tells_its_owner_once_at_trace_time_and_leaves_nothing_in_
 
 # ------------------------------------------------------------------------------ DDP (2 gloo ranks)
 
-DDP_SCRIPT = Path(__file__).parent / "scripts" / "compile_ddp.py"
+DDP_SCRIPT = Path(__file__).parents[1] / "scripts" / "compile_ddp.py"
 
 
 @pytest.mark.slow

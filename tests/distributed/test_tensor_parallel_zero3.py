@@ -22,7 +22,7 @@ from hdi_monitor import head_diversity
 from hdi_monitor.exceptions import AdapterMismatch
 from hdi_monitor.models.tensor_parallel import tp_head_counts
 
-SCRIPT = Path(__file__).parent / "scripts" / "tp_engines.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "tp_engines.py"
 TIMEOUT_S = 400
 
 
@@ -199,7 +199,7 @@ def test_tp_gather_is_bounded_by_max_tokens_and_equals_one_process(tmp_path: Pat
                 assert torch.allclose(cov, torch.tensor(ref["covariance"]), rtol=1e-5, atol=1e-7)
 
 
-LIGHTNING = Path(__file__).parent / "scripts" / "tp_lightning.py"
+LIGHTNING = Path(__file__).parents[1] / "scripts" / "tp_lightning.py"
 
 
 def launch_lightning(pool, out: Path, *extra: str) -> dict[int, dict]:
@@ -242,7 +242,7 @@ def test_lightning_fsdp2_plus_tp_2x2(tmp_path: Path, single_track: dict, gloo4) 
 def test_hf_trainer_with_zero3(tmp_path: Path, gloo2) -> None:
     pytest.importorskip("deepspeed")
     pytest.importorskip("accelerate")
-    script = Path(__file__).parent / "scripts" / "hf_zero3.py"
+    script = Path(__file__).parents[1] / "scripts" / "hf_zero3.py"
     hz = _load("hf_zero3", script)
     gloo2.run(script, "scenario", str(tmp_path), timeout_s=TIMEOUT_S)
     # the reference: the one-shot API on the unsharded model, same weights, the step's whole global batch

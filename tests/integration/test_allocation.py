@@ -610,7 +610,7 @@ def test_example_quick_run_writes_its_outputs(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "allocation_sweep.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "allocation_sweep.py"
     spec = importlib.util.spec_from_file_location("allocation_sweep", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -540,7 +540,7 @@ def test_sync_over_two_gloo_ranks(tmp_path, gloo2):
     import importlib.util
     from pathlib import Path
 
-    script = Path(__file__).parent / "scripts" / "kernel_sync.py"
+    script = Path(__file__).parents[2] / "scripts" / "kernel_sync.py"
     gloo2.run(script, "scenario", str(tmp_path), timeout_s=120)
     spec = importlib.util.spec_from_file_location("kernel_sync", script)
     mod = importlib.util.module_from_spec(spec)

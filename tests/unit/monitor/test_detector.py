@@ -540,7 +540,7 @@ def test_defaults_are_the_settings_the_warnings_study_chose():
     its baseline by the study's margin) the default is the one its runs used (warmup counted in
     measurements, as the study did). A re-run of the study
     that chooses differently fails here until the defaults (and docs/early-warnings.md) follow it."""
-    results = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/warnings_study.json").read_text())
+    results = json.loads((Path(__file__).resolve().parents[3] / "benchmarks/results/warnings_study.json").read_text())
     chosen, used = results["chosen"], results["used_settings"]
     sat, ker = SaturationDetector(), KernelDetector()
     pick = {kind: chosen[kind] if chosen[kind] is not None else used[kind] for kind in chosen}

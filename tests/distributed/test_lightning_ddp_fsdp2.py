@@ -26,7 +26,7 @@ from conftest import read_events, scalar_series
 
 from hdi_monitor import head_diversity
 
-SCRIPT = Path(__file__).parent / "scripts" / "dist_monitor.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "dist_monitor.py"
 TIMEOUT_S = 180
 STEPS, EVERY, GLOBAL_BATCH = 5, 2, 4
 MEASURED = [0, 2, 4]

@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 from conftest import read_events, scalar_series
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RUN_LANGS = {"python", "bash"}
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)(?P<info>[^\n`]*)$")
@@ -263,7 +263,7 @@ def test_every_test_the_robustness_page_cites_exists():
     import ast
 
     defined: dict[str, set[str]] = {}
-    for path in (ROOT / "tests").glob("test_*.py"):
+    for path in (ROOT / "tests").rglob("test_*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
                 defined.setdefault(node.name, set()).add(path.name)

@@ -50,7 +50,7 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 RTOL = 1e-5
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 # ------------------------------------------------------------------------------ raw checkpoint heads

@@ -14,7 +14,7 @@ from hdi_monitor.contrib.ensemble import bias_variance_covariance
 from hdi_monitor.functional.covariance import covariance_metrics, head_covariance, subsample_mask
 from hdi_monitor.measure.covariance import HeadCovarianceAccumulator, compute_results
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).parents[2] / "scripts"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -662,7 +662,7 @@ def test_bvc_shape_errors():
 def test_nw_theory_experiment_runs_and_splits_exactly(tmp_path):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("nw_theory", Path(__file__).parents[1] / "examples" / "nw_theory.py")
+    spec = importlib.util.spec_from_file_location("nw_theory", Path(__file__).parents[3] / "examples" / "nw_theory.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     result = module.main(["--out", str(tmp_path), "--angles", "3", "--resamples", "4", "--train", "40", "--test", "30"])

@@ -19,7 +19,7 @@ from torch.utils.tensorboard import SummaryWriter
 from hdi_monitor import DiversityWarning, HDITracker, SaturationDetector, head_diversity
 
 PROJECTIONS = ("query", "key", "value", "output")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------------- plain loop

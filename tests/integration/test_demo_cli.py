@@ -15,7 +15,7 @@ from conftest import read_events, scalar_series
 
 from hdi_monitor.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_help_lists_subcommands(capsys):
