@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "warnings_study.json"
 OUT = ROOT / "hdi_monitor" / "_evidence_data.py"
 #: The signals the monitor knows (`hdi_monitor.evidence.SIGNALS`, repeated so that this script runs
-#: without the package; ``tests/test_event_warnings.py`` checks that they agree).
+#: without the package; ``tests/unit/monitor/test_warnings.py`` checks that they agree).
 SIGNALS = (
     "saturation/hdi",
     "saturation/effective_heads",

@@ -12,7 +12,7 @@ detectors are not settings but stateful objects: they are passed beside the conf
 Adding a setting: add the field (with its type, default and a line in the docstring) and its
 check in `MonitorConfig.__post_init__`, then the same parameter, default ``DEFAULTS.<field>``, and
 docstring line to `HDIMonitor.__init__` and `HDITrainerCallback.__init__`;
-``tests/test_validation.py`` fails until every field is named in both signatures.
+``tests/unit/test_validation.py`` fails until every field is named in both signatures.
 """
 
 from __future__ import annotations

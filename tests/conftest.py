@@ -19,59 +19,84 @@ if TYPE_CHECKING:
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# one thread per pytest-xdist worker (two workers share CI's two cores), at most two otherwise
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
 
 
 # ----------------------------------------------------------------------------- test tiers
-# The quick loop, ``pytest -m "not slow"``, keeps the math, the discovery tables, the detector and
-# the config against their references, and the callbacks' main paths; the tests below (and those
-# marked ``slow`` in their own files: subprocesses, several processes, logging backends) are the
-# slow tier, which CI runs with everything else (``pytest`` without ``-m``).
-_SLOW_FILES = {
-    "test_compile_checkpoint.py": "torch.compile traces (Dynamo) of several models",
-    "test_training_unchanged.py": "bit-for-bit training comparisons, with and without the monitor",
-    "test_demo_cli.py": "the demo and the LightningCLI config, end to end",
-    "test_allocation.py": "the allocation advisor (contrib): law fits and sweeps against their references",
-}
-_SLOW_FIXTURES = {
-    ("test_dashboard.py", "deep"): "a 24-layer model trained for the depth checks",
-    ("test_integrations.py", "hf_run"): "a Hugging Face Trainer run with gradient accumulation and references",
-}
-_SLOW_TESTS = {
-    "test_integrations.py::test_example_hf_trainer_runs": "runs the example script",
-    "test_integrations.py::test_example_plain_loop_runs": "runs the example script",
-    "test_integrations.py::test_hf_default_tensorboard_report_is_one_run_with_the_loss": "two Trainer runs",
-    "test_callback.py::test_runs_of_different_depth_share_every_custom_scalars_chart": "two Trainer runs",
-    "test_kernel_tracker.py::test_two_data_parallel_ranks_sum_to_the_single_process_measurement": "2 gloo processes",
-    "test_kernel_stats.py::test_sync_over_two_gloo_ranks": "2 gloo processes",
-    "test_kernel_tracker.py::test_compiled_model_kernel_stats_from_the_side_forward": "a torch.compile trace",
-    "test_kernel_tracker.py::test_hf_trainer_bit_identical_with_kernel_stats": "bit-for-bit Trainer runs",
-    "test_kernel_tracker.py::test_lightning_training_bit_identical_with_kernel_stats_on_torch_mha": "bit-for-bit runs",
-    "test_early_warning.py::test_resumed_run_warns_exactly_like_an_uninterrupted_one": "two Trainer runs",
-    # doc pages whose run repeats a quick test (README quick start; test_callback's EarlyStopping)
-    "test_docs.py::test_page_blocks_run[docs/index.md]": "the README quick start again",
-    "test_docs.py::test_page_blocks_run[docs/early-warnings.md]": "test_callback's EarlyStopping run again",
-}
+# The folder sets the tier (tests/README.md). tests/unit/ is the quick loop, ``pytest -m "not slow"``;
+# tests/integration/ (end-to-end runs, subprocesses, the documentation pages) and tests/distributed/
+# (several processes) are the slow tier, which CI runs with everything else (``pytest`` without ``-m``).
+# A test on the gloo rank pools is a distributed test wherever it sits. No test ids are listed here.
+_SLOW_FOLDERS = ("integration", "distributed")
+_POOLS = ("gloo2", "gloo4")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the slow tier (see ``_SLOW_FILES``); markers only, so tests added elsewhere stay quick
-    unless their file or id is listed here or they mark themselves."""
+    """Mark the slow tier by folder, and the tests on the rank pools wherever they sit."""
+    here = Path(__file__).parent
     for item in items:
-        name = item.path.name
-        test_id = f"{name}::{item.name.split('[')[0]}"
-        full_id = f"{name}::{item.name}"
-        fixtures = getattr(item, "fixturenames", ())
-        if (
-            name in _SLOW_FILES
-            or test_id in _SLOW_TESTS
-            or full_id in _SLOW_TESTS
-            or any((name, f) in _SLOW_FIXTURES for f in fixtures)
-        ):
+        try:
+            top = item.path.relative_to(here).parts[0]
+        except ValueError:
+            continue
+        if top in _SLOW_FOLDERS or any(pool in getattr(item, "fixturenames", ()) for pool in _POOLS):
             item.add_marker(pytest.mark.slow)
+
+
+def _uses_pools(path: Path) -> bool:
+    """Whether the test file at ``path`` names a rank pool fixture."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return any(pool in text for pool in _POOLS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist (``-n 2``), one work unit per test file, so a file's module fixtures (a
+    trained 24-layer model, the distributed runs) are built once, and one unit for every file that
+    uses the rank pools, so each pool starts once, in one worker. (xdist 3.8's own ``loadgroup``
+    cannot regroup under pytest 9: it renames ``item._nodeid``, which pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = config.rootpath
+
+    class FilesAndPools(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "rank pools" if _uses_pools(root / path) else path
+
+    return FilesAndPools(config, log)
+
+
+# ----------------------------------------------------------------------------- persistent gloo groups
+# The multi-process tests run their scenarios on ranks started once per session (tests/helpers/pool.py)
+# instead of launching a fresh group of interpreters per test.
+
+
+@pytest.fixture(scope="session")
+def gloo2(tmp_path_factory):
+    """Two ranks in one gloo process group for the whole session (`helpers.pool.RankPool`)."""
+    from helpers.pool import RankPool
+
+    pool = RankPool(2, tmp_path_factory.mktemp("gloo2"))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def gloo4(tmp_path_factory):
+    """Four ranks in one gloo process group for the whole session (a 2 x 2 mesh)."""
+    from helpers.pool import RankPool
+
+    pool = RankPool(4, tmp_path_factory.mktemp("gloo4"))
+    yield pool
+    pool.close()
 
 
 def read_events(log_dir: str | Path):

@@ -122,7 +122,7 @@ def codegen_split(
 # How each class forms its logits (position scheme, scale, QK-norm: `hdi_monitor.models.logits`), for
 # the weight-only logit bound. Read from the transformers 5.24 source of the classes named (each
 # keeps its scale as `scaling`, or `scale` for CLIP and SigLIP, and applies it to <q, k> or to the
-# query); each is checked in tests/test_logit_bound.py against what its attention kernel receives:
+# query); each is checked in tests/unit/models/test_logits.py against what its attention kernel receives:
 # at token 0, where rotary embeddings are the identity, the declared scale times the weights'
 # bilinear form gives the kernel's logit, and the bound times the input norms is never below the
 # largest logit. Classes not named here have no bound (the report says so), never a guessed one.
@@ -256,7 +256,7 @@ LAYOUTS: tuple[Layout, ...] = (
     Layout("wqkvo", "wo", "wq", "wk", "wv", used_by="Meta-reference style wq/wk/wv/wo"),
     # fmt: on
     # Read from the transformers 5.24 source of the classes they name; each is checked against what
-    # the module feeds its attention kernel (or its own forward) in tests/test_families_more.py.
+    # the module feeds its attention kernel (or its own forward) in tests/unit/models/test_families_more.py.
     Layout(
         "codegen",
         "out_proj",

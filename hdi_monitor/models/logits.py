@@ -123,7 +123,7 @@ class QKNormClass:
 
 
 # A data table, kept as written: each class's forward was compared with its formula on random
-# weights (tests/test_logit_bound.py::test_qk_norm_classes_compute_their_declared_formula).
+# weights (tests/unit/models/test_logits.py::test_qk_norm_classes_compute_their_declared_formula).
 # fmt: off
 QK_NORMS: tuple[QKNormClass, ...] = (
     QKNormClass(r"LayerNorm|RMSNorm", "weight", "normalized_shape", "torch.nn.", "torch.nn.LayerNorm, torch.nn.RMSNorm"),

@@ -137,20 +137,26 @@ def train(run: str, rank: int, unused: bool, kernel_stats: bool) -> dict:
     return result
 
 
+def scenario(out: str, unused: bool = False, kernel_stats: bool = False) -> None:
+    """The three runs on this rank of an initialised group of 2; writes ``OUT/rank{r}.pt``."""
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    results = {}
+    for run in RUNS:
+        try:
+            results[run] = train(run, rank, unused, kernel_stats)
+        except Exception as err:  # noqa: BLE001 - recorded: the test names the run that failed
+            results[run] = {"error": f"{type(err).__name__}: {err}"}
+            dist.barrier()  # a rank whose run failed waits for the other before the next run
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+
+
 def worker(rank: int, port: int, out: str, unused: bool, kernel_stats: bool) -> None:
     from gloo_exit import exit_after_barrier  # this script's folder is sys.path[0], also in spawned workers
 
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     try:
-        results = {}
-        for run in RUNS:
-            try:
-                results[run] = train(run, rank, unused, kernel_stats)
-            except Exception as err:  # noqa: BLE001 - recorded: the test names the run that failed
-                results[run] = {"error": f"{type(err).__name__}: {err}"}
-                dist.barrier()  # a rank whose run failed waits for the other before the next run
-        torch.save(results, Path(out) / f"rank{rank}.pt")
+        scenario(out, unused, kernel_stats)
         dist.barrier()
     except BaseException:
         dist.destroy_process_group()

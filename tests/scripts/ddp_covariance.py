@@ -30,59 +30,65 @@ def _free_port() -> int:
 def _worker(rank: int, port: int, inputs_path: str, output_path: str) -> None:
     from gloo_exit import exit_after_barrier  # this script's folder is sys.path[0], also in spawned workers
 
-    from hdi_monitor.measure.covariance import HeadCovarianceAccumulator
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     try:
-        data = torch.load(inputs_path, weights_only=False)
-        h, d, w_out = data["num_heads"], data["head_dim"], data["w_out"]
-
-        acc = HeadCovarianceAccumulator(h, d, w_out=w_out)
-        for (o, keep), owner in zip(data["batches"], data["assignment"], strict=True):
-            if owner == rank:
-                acc.update(o, keep)
-        local_tokens = acc.num_tokens
-        acc.sync()
-        result = acc.compute()
-        tokens_after_first = acc.num_tokens
-        acc.sync()  # repeated sync must not count the other rank twice
-        repeat_equal = bool(torch.equal(acc.compute().covariance, result.covariance))
-        try:
-            acc.update(data["batches"][0][0])
-            update_after_sync_raised = False
-        except RuntimeError:
-            update_after_sync_raised = True
-
-        # Rank 1 sees nothing: its lazily created zero state must still take part.
-        lonely = HeadCovarianceAccumulator(h, d, w_out=w_out)
-        if rank == 0:
-            for o, keep in data["batches"]:
-                lonely.update(o, keep)
-        lonely.sync()
-        lonely_result = lonely.compute()
-
-        gathered = [None] * WORLD_SIZE
-        dist.all_gather_object(gathered, local_tokens)
-        if rank == 0:
-            torch.save(
-                {
-                    "covariance": result.covariance,
-                    "num_tokens": result.num_tokens,
-                    "tokens_after_first": tokens_after_first,
-                    "local_tokens": gathered,
-                    "repeat_equal": repeat_equal,
-                    "update_after_sync_raised": update_after_sync_raised,
-                    "lonely_covariance": lonely_result.covariance,
-                    "lonely_tokens": lonely_result.num_tokens,
-                },
-                output_path,
-            )
+        scenario(inputs_path, output_path)
         dist.barrier()
     except BaseException:
         dist.destroy_process_group()
         raise
     exit_after_barrier()
+
+
+def scenario(inputs_path: str, output_path: str) -> None:
+    """This rank's part of the accumulation and syncs (in an initialised group of 2); rank 0 saves the results."""
+    from hdi_monitor.measure.covariance import HeadCovarianceAccumulator
+
+    rank = dist.get_rank()
+    data = torch.load(inputs_path, weights_only=False)
+    h, d, w_out = data["num_heads"], data["head_dim"], data["w_out"]
+
+    acc = HeadCovarianceAccumulator(h, d, w_out=w_out)
+    for (o, keep), owner in zip(data["batches"], data["assignment"], strict=True):
+        if owner == rank:
+            acc.update(o, keep)
+    local_tokens = acc.num_tokens
+    acc.sync()
+    result = acc.compute()
+    tokens_after_first = acc.num_tokens
+    acc.sync()  # repeated sync must not count the other rank twice
+    repeat_equal = bool(torch.equal(acc.compute().covariance, result.covariance))
+    try:
+        acc.update(data["batches"][0][0])
+        update_after_sync_raised = False
+    except RuntimeError:
+        update_after_sync_raised = True
+
+    # Rank 1 sees nothing: its lazily created zero state must still take part.
+    lonely = HeadCovarianceAccumulator(h, d, w_out=w_out)
+    if rank == 0:
+        for o, keep in data["batches"]:
+            lonely.update(o, keep)
+    lonely.sync()
+    lonely_result = lonely.compute()
+
+    gathered = [None] * WORLD_SIZE
+    dist.all_gather_object(gathered, local_tokens)
+    if rank == 0:
+        torch.save(
+            {
+                "covariance": result.covariance,
+                "num_tokens": result.num_tokens,
+                "tokens_after_first": tokens_after_first,
+                "local_tokens": gathered,
+                "repeat_equal": repeat_equal,
+                "update_after_sync_raised": update_after_sync_raised,
+                "lonely_covariance": lonely_result.covariance,
+                "lonely_tokens": lonely_result.num_tokens,
+            },
+            output_path,
+        )
 
 
 def main(argv: list[str]) -> int:

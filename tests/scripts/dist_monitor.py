@@ -103,7 +103,7 @@ def _fault_due(where: str) -> bool:
 
 
 def _install_faults() -> None:
-    """Wrap the monitor's weight measurement and head-output hook so they raise when due."""
+    """Wrap the monitor's weight measurement and head-output hook so they raise when due (until `_undo`)."""
     import hdi_monitor.measure.capture as capture
     import hdi_monitor.measure.step as tracker  # where the measured step reads weights and computes results
 
@@ -128,6 +128,11 @@ def _install_faults() -> None:
     tracker.compute_report = compute_report
     capture._on_output = on_output
     tracker.compute_results = compute
+
+    def undo() -> None:
+        tracker.compute_report, capture._on_output, tracker.compute_results = real_report, real_output, real_compute
+
+    _UNDO.append(undo)
 
 
 def _fault_clock():
@@ -187,6 +192,20 @@ def _track_gathers(model: torch.nn.Module) -> None:
 
     DTensor.full_tensor = full_tensor
 
+    def undo() -> None:
+        DTensor.full_tensor = real
+
+    _UNDO.append(undo)
+
+
+#: What `run` put in place that must come off when it returns (a persistent rank runs other scenarios next).
+_UNDO: list[Any] = []
+
+
+def _undo() -> None:
+    while _UNDO:
+        _UNDO.pop()()
+
 
 # ----------------------------------------------------------------------------------------- the run
 
@@ -230,6 +249,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             return DataLoader(dataset, batch_size=per_rank, sampler=sampler)
 
+    _FAULT.update(rank=None, step=None, where=None, now=None, me=None)
+    _GATHERS.update(count=0, peak_layers=0, alive=[])
     if args.fail_rank is not None:
         _FAULT.update(rank=args.fail_rank, step=args.fail_step, where=args.fail_where)
         _install_faults()
@@ -283,9 +304,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ]
 
     trainer.callbacks.append(Keep())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", MonitoringWarning)
-        trainer.fit(model, datamodule=Data())
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", MonitoringWarning)
+            trainer.fit(model, datamodule=Data())
+    finally:
+        _undo()
 
     rank = trainer.global_rank
     dtensor = False

@@ -31,6 +31,7 @@ import os
 import socket
 import sys
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -104,11 +105,13 @@ def _unsharded_units(root: nn.Module) -> int:
     return count
 
 
-def _track_summons() -> None:
+def _track_summons() -> Callable[[], None]:
     """Wrap ``summon_full_params`` to count the FSDP units that are unsharded at the same time: by
-    the open summon calls, and by the units whose flat parameters are full while one is open."""
+    the open summon calls, and by the units whose flat parameters are full while one is open.
+    Returns what puts the original back."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+    original = FSDP.__dict__["summon_full_params"]
     real = FSDP.summon_full_params
 
     @contextlib.contextmanager
@@ -127,6 +130,11 @@ def _track_summons() -> None:
                 s[key] -= 1
 
     FSDP.summon_full_params = staticmethod(summon)  # type: ignore[method-assign]
+
+    def undo() -> None:
+        FSDP.summon_full_params = original  # type: ignore[method-assign]
+
+    return undo
 
 
 def _reset_summons(root: nn.Module) -> None:
@@ -218,6 +226,18 @@ def _one_config(rank: int, use_orig_params: bool) -> dict[str, Any]:
     }
 
 
+def scenario(output_path: str) -> None:
+    """Both configurations on this rank of an initialised group of 2; rank 0 saves the results."""
+    rank = dist.get_rank()
+    undo = _track_summons()
+    try:
+        results = {f"orig_params={flag}": _one_config(rank, flag) for flag in (False, True)}
+    finally:
+        undo()
+    if rank == 0:
+        torch.save(results, output_path)
+
+
 def _worker(rank: int, port: int, output_path: str, pg_timeout: float) -> None:
     from gloo_exit import exit_after_barrier  # this script's folder is sys.path[0], also in spawned workers
 
@@ -230,10 +250,7 @@ def _worker(rank: int, port: int, output_path: str, pg_timeout: float) -> None:
         timeout=timedelta(seconds=pg_timeout),
     )
     try:
-        _track_summons()
-        results = {f"orig_params={flag}": _one_config(rank, flag) for flag in (False, True)}
-        if rank == 0:
-            torch.save(results, output_path)
+        scenario(output_path)
         dist.barrier()
     except BaseException:
         dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """HDITrainerCallback under the Hugging Face Trainer with DeepSpeed ZeRO-3, on CPU (gloo): a script for
-``tests/test_engines.py``.
+``tests/distributed/test_tensor_parallel_zero3.py``.
 
-Run it as a script (it starts its own 2 ranks)::
+Run it as a script (it starts its own 2 ranks; the tests call `scenario` on the ranks of a persistent gloo
+group instead)::
 
     DS_ACCELERATOR=cpu python tests/scripts/hf_zero3.py --out DIR
 
@@ -38,17 +39,10 @@ def samples() -> torch.Tensor:
     return torch.randint(0, te.LLAMA_KW["vocab_size"], (SAMPLES, SEQ), generator=torch.Generator().manual_seed(5))
 
 
-def _worker(rank: int, out: str, port: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_WORLD_SIZE="2",
-        ACCELERATE_USE_DEEPSPEED="true",
-        DS_ACCELERATOR="cpu",
-    )
+def scenario(out: str) -> None:
+    """Train and write this rank's ``rank{R}.json``: on the script's own ranks (`_worker`) or on the ranks of
+    an initialised gloo group whose environment names them (the tests' persistent pool)."""
+    os.environ.update(ACCELERATE_USE_DEEPSPEED="true", DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     from accelerate import PartialState
@@ -56,6 +50,7 @@ def _worker(rank: int, out: str, port: int) -> None:
 
     from hdi_monitor import HDITrainerCallback
 
+    te.deepspeed_without_op_builds()  # no C++ op is compiled (see there)
     PartialState(backend="gloo")
     ds_config = {
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
@@ -104,7 +99,19 @@ def _worker(rank: int, out: str, port: int) -> None:
         "q_shape": list(trainer.model.model.layers[0].self_attn.q_proj.weight.shape),
         "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage,
     }
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    (Path(out) / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))
+
+
+def _worker(rank: int, out: str, port: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+    )
+    scenario(out)
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -28,14 +28,20 @@ def run(rank: int, out: str) -> None:
     from gloo_exit import exit_after_barrier  # this script's folder is sys.path[0], also in spawned workers
 
     dist.init_process_group("gloo", init_method=f"file://{out}/pg", rank=rank, world_size=2)
+    scenario(out)
+    dist.barrier()  # no rank tears gloo down while another is still in a collective
+    exit_after_barrier()
+
+
+def scenario(out: str) -> None:
+    """This rank's accumulators, synced, saved to ``OUT/rank{r}.pt`` (in an initialised group of 2)."""
+    rank = dist.get_rank()
     accs = [KernelStatsAccumulator(4) for _ in range(3)]  # the third sees no query on either rank
     for acc, (q, k) in zip(accs, rank_inputs(rank), strict=False):
         acc.update(q, k, is_causal=True)
     sync_kernel_accumulators(accs)
     res = [acc.compute() for acc in accs]
     torch.save([(r.entropy, r.uniform_entropy, r.max_logit, r.num_queries) for r in res], f"{out}/rank{rank}.pt")
-    dist.barrier()  # no rank tears gloo down while another is still in a collective
-    exit_after_barrier()
 
 
 if __name__ == "__main__":

@@ -42,6 +42,14 @@ def run(rank: int, out: str) -> None:
     from gloo_exit import exit_after_barrier  # this script's folder is sys.path[0], also in spawned workers
 
     dist.init_process_group("gloo", init_method=f"file://{out}/pg", rank=rank, world_size=2)
+    scenario(out)
+    dist.barrier()  # no rank tears gloo down while another is still in a collective
+    exit_after_barrier()
+
+
+def scenario(out: str) -> None:
+    """This rank's half of the batch, measured and synced, saved to ``OUT/rank{r}.pt`` (in an initialised group)."""
+    rank = dist.get_rank()
     batch = {k: v[2 * rank : 2 * rank + 2] for k, v in full_batch().items()}
     tracker = HDITracker(build(), kernel_stats=True, max_tokens=None, strict=True)
     m = tracker.measure(batch)
@@ -51,8 +59,6 @@ def run(rank: int, out: str) -> None:
         for la in m.report.layers
     ]
     torch.save({"layers": rows, "scalars": dict(m.scalars)}, f"{out}/rank{rank}.pt")
-    dist.barrier()  # no rank tears gloo down while another is still in a collective
-    exit_after_barrier()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Two gloo ranks whose monitors disagree: a script for tests/test_robustness_round3.py.
+"""Two gloo ranks whose monitors disagree: a script for tests/unit/test_robustness_round3.py.
 
     python tests/scripts/rank_disagreement.py OUT.json
 
@@ -48,7 +48,16 @@ def run(rank: int, port: int, out: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    scenario(out)
+    dist.barrier()  # no rank tears gloo down while another is still in a collective
+    exit_after_barrier()
+
+
+def scenario(out: str) -> None:
+    """Every case on this rank of an initialised group of 2; writes ``OUT.r``."""
     from hdi_monitor import HDITracker
+
+    rank = dist.get_rank()
 
     results = {}
     for name, settings in CASES.items():
@@ -65,8 +74,6 @@ def run(rank: int, port: int, out: str) -> None:
             results[name] = str(err)
     with open(f"{out}.{rank}", "w", encoding="utf-8") as f:
         json.dump(results, f)
-    dist.barrier()  # no rank tears gloo down while another is still in a collective
-    exit_after_barrier()
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """Head diversity of a model sharded by tensor parallelism or DeepSpeed ZeRO-3, on CPU (gloo): a script for
-``tests/test_engines.py``.
+``tests/distributed/test_tensor_parallel_zero3.py``.
 
-Run it as a script (it starts its own ranks with ``torch.multiprocessing``)::
+Run it as a script (it starts its own ranks with ``torch.multiprocessing``; the tests call `scenario` on the
+ranks of a persistent gloo group instead)::
 
     python tests/scripts/tp_engines.py --engine plain_tp --out DIR   # DTensor TP, num_heads //= tp
     python tests/scripts/tp_engines.py --engine hf_tp    --out DIR   # transformers tp_plan="auto" (tiny Llama)
@@ -295,8 +296,24 @@ def _run_hf_tp(out: Path, rank: int) -> dict[str, Any]:
     return result
 
 
-def _run_zero3(out: Path, rank: int) -> dict[str, Any]:
+def deepspeed_without_op_builds() -> Any:
+    """``deepspeed``, with every C++ op marked unavailable so that nothing is compiled.
+
+    On the CPU accelerator ``deepspeed.comm`` JIT-builds its shared-memory all-reduce (``deepspeed_shm_comm``,
+    a C++ extension) at the first ``init_distributed``, after probing every op with compiler runs. Without it
+    DeepSpeed's collectives are torch.distributed's (gloo here); the optimizers are torch's, so no other op is
+    asked for, and ZeRO-3 partitions and gathers the parameters as before.
+    """
     import deepspeed
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.all_ops import ALL_OPS
+
+    deepspeed.ops.__compatible_ops__ = dict.fromkeys(ALL_OPS, False)
+    return deepspeed
+
+
+def _run_zero3(out: Path, rank: int) -> dict[str, Any]:
+    deepspeed = deepspeed_without_op_builds()
 
     model = build_plain()
     config = {
@@ -470,7 +487,7 @@ def _run_fsdp_tp_track(out: Path, rank: int) -> dict[str, Any]:
 
 def _run_zero3_track(out: Path, rank: int) -> dict[str, Any]:
     """ZeRO-3 data parallel over 2 ranks: each trains on half of each global batch."""
-    import deepspeed
+    deepspeed = deepspeed_without_op_builds()
 
     runs: dict[str, Any] = {}
     for monitor in (True, False):
@@ -534,7 +551,7 @@ def _run_tp_time(out: Path, rank: int) -> dict[str, Any]:
 
 
 def _run_zero3_time(out: Path, rank: int) -> dict[str, Any]:
-    import deepspeed
+    deepspeed = deepspeed_without_op_builds()
 
     result = {}
     for monitor in (False, True):
@@ -643,6 +660,21 @@ ENGINES = {
 WORLD = {"fsdp_tp_track": 4}
 
 
+def scenario(engine: str, out: str | Path) -> None:
+    """Run ``engine`` on this rank of the initialised default process group; write ``OUT/rank{R}.json``.
+
+    The tests call this on the ranks of a persistent gloo group (``tests/helpers/pool.py``); the script's
+    own ranks call it from `_worker`."""
+    rank = dist.get_rank()
+    assert dist.get_world_size() == WORLD.get(engine, WORLD_SIZE), (engine, dist.get_world_size())
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    if engine.startswith("zero3"):
+        deepspeed_without_op_builds().init_distributed(dist_backend="gloo")  # joins the existing group
+    result = ENGINES[engine](Path(out), rank)
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+
+
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     from gloo_exit import exit_after_barrier  # this script's folder is sys.path[0], also in spawned workers
 
@@ -655,17 +687,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         WORLD_SIZE=str(world),
         LOCAL_WORLD_SIZE=str(world),
     )
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    if args.engine.startswith("zero3"):
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=args.pg_timeout))
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=args.pg_timeout))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=args.pg_timeout))
     try:
-        result = ENGINES[args.engine](Path(args.out), rank)
-        (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+        scenario(args.engine, args.out)
         dist.barrier()  # no rank tears gloo down while another is still finishing a collective
     except BaseException:
         dist.destroy_process_group()

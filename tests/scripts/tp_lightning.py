@@ -1,5 +1,5 @@
 """HDIMonitor under Lightning's ``ModelParallelStrategy`` with tensor parallelism, on CPU (gloo): a script for
-``tests/test_engines.py``.
+``tests/distributed/test_tensor_parallel_zero3.py``.
 
 Run it as a script, never inside pytest (Lightning re-runs the command that started it in each rank)::
 

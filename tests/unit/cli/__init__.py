@@ -1,0 +1,1 @@
+"""Tests of `hdi_monitor.cli`, one file per module (tests/README.md)."""

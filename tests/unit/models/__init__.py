@@ -1,0 +1,1 @@
+"""Tests of `hdi_monitor.models`, one file per module (tests/README.md)."""

@@ -1,0 +1,1 @@
+"""Tests of `hdi_monitor.report`, one file per module (tests/README.md)."""
