@@ -10,6 +10,8 @@ Modules (none imports another package of ``hdi_monitor`` but `hdi_monitor._valid
   (`kernel_sums`, `kernel_results`, `attention_kernel_stats`).
 * `bilinear`: weight-only statistics of each head's ``W_Q W_K^T`` (`logit_bound`,
   `qk_norm_logit_bound`) and the spectral entropy of a weight update (`update_entropy`).
+* `trend`: the Theil-Sen slope of a short series and the redundant head pairs of an overlap or
+  correlation matrix (`theil_sen_slope`, `redundant_pairs`), under the saturation detector.
 * `_numerics` (private): the float32/float64 guards (`no_autocast`, `ieee_float32_matmul`).
 
 Everything listed in a module's ``__all__`` may be used from outside (see the API reference); the

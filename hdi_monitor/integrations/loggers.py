@@ -48,6 +48,8 @@ def _pil(image: Image) -> Any:
 class _MetricsSink(LoggerSink):
     """Scalars through the logger's ``log_metrics`` (`LoggerSink`); the subclasses add the pictures."""
 
+    takes_pictures = True
+
 
 class WandbSink(_MetricsSink):
     """Write to a Lightning ``WandbLogger``: images with ``log_image``, histograms as

@@ -39,7 +39,7 @@ from hdi_monitor.monitor.detector import DetectorArg, SaturationDetector, resolv
 from hdi_monitor.monitor.history import History
 from hdi_monitor.monitor.kernel_detector import KernelDetector
 from hdi_monitor.monitor.render import Renderer, render_job
-from hdi_monitor.monitor.sinks import Sink, TensorBoardSink
+from hdi_monitor.monitor.sinks import Sink, TensorBoardSink, takes_pictures
 from hdi_monitor.report import ACTIVATIONS, AngleWork, DiversityReport, compute_angles
 
 __all__ = ["MAX_EVENTS", "WAIT_SECONDS", "DetectorArg", "KernelDetectorArg", "Publisher", "Renderer", "feed_report"]
@@ -353,6 +353,8 @@ class Publisher:
         if not images and not histograms:
             return failures
         for sink in sinks:
+            if not takes_pictures(sink):  # scalars only (LoggerSink): never called off the training thread
+                continue
             try:  # no lock shared with the training thread: a slow upload never holds a step
                 if images:
                     sink.log_images(dict(images), job.step)

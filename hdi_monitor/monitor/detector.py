@@ -43,16 +43,15 @@ real text, each event scored against what the held-out loss did next; see
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
 from torch import Tensor
 
 from hdi_monitor._validation import check_choice, check_index, check_int, check_real
 from hdi_monitor.events import METRICS, PROJECTIONS, DiversityEvent, EventKind, Metric, Projection
 from hdi_monitor.evidence import backed, evidence_clause
+from hdi_monitor.functional.trend import check_pairwise, redundant_pairs, theil_sen_slope
 
 __all__ = [
     "ACTIVATION_COLLAPSE_DELTA",
@@ -78,59 +77,6 @@ _METRIC_NAMES = {
     "attention_entropy": "attention entropy",
     "max_attention_logit": "maximum attention logit",
 }
-
-
-def theil_sen_slope(x: list[float], y: list[float]) -> float:
-    """Theil-Sen estimate: the median of ``(y_j - y_i) / (x_j - x_i)`` over pairs with ``x_i < x_j``.
-
-    Robust to outliers (breakdown point about 29%) and unbiased for a linear trend under symmetric
-    noise. Matches ``scipy.stats.theilslopes(y, x)[0]``.
-
-    Raises:
-        ValueError: when the lengths differ or no pair has distinct ``x``.
-    """
-    if len(x) != len(y):
-        raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
-    slopes = [(y[j] - y[i]) / (x[j] - x[i]) for i in range(len(x)) for j in range(len(x)) if x[i] < x[j]]
-    if not slopes:
-        raise ValueError("theil_sen_slope needs at least two points with distinct x")
-    return statistics.median(slopes)
-
-
-def redundant_pairs(pairwise: Tensor, threshold: float) -> list[tuple[int, int, float]]:
-    """Head pairs whose overlap (or correlation) is at least ``threshold``.
-
-    Args:
-        pairwise: ``(H, H)`` overlap or correlation matrix; only the strict upper triangle
-            (``i < j``) is read and NaN entries (invalid heads) never count.
-        threshold: a pair is redundant when ``pairwise[i, j] >= threshold``, compared in the
-            matrix's precision (float32 or float64; half precision is upcast to float32).
-
-    Returns:
-        ``(i, j, value)`` for every redundant pair with ``i < j``, in row-major order. One host
-        transfer, whatever ``H``.
-    """
-    _check_pairwise(pairwise)
-    threshold = check_real("threshold", threshold)
-    h = pairwise.shape[0]
-    if h < 2:
-        return []
-    if pairwise.dtype not in (torch.float32, torch.float64):
-        pairwise = pairwise.to(torch.float32)  # half precision and integers: upcast
-    iu = torch.triu_indices(h, h, offset=1, device=pairwise.device)
-    vals = pairwise[iu[0], iu[1]]
-    keep = vals >= threshold  # in the matrix's own precision (a float32 0.9 meets 0.9); NaN is False
-    rows = torch.stack([iu[0][keep], iu[1][keep], vals[keep]], dim=1).to(torch.float64)
-    return [(int(i), int(j), float(v)) for i, j, v in rows.cpu().tolist()]
-
-
-def _check_pairwise(pairwise: Any) -> None:
-    if not isinstance(pairwise, Tensor):
-        raise TypeError(f"pairwise must be a torch.Tensor of shape (H, H), got {type(pairwise).__name__}")
-    if pairwise.ndim != 2 or pairwise.shape[0] != pairwise.shape[1]:
-        raise ValueError(f"pairwise must be a square (H, H) matrix, got shape {tuple(pairwise.shape)}")
-    if pairwise.is_complex() or pairwise.dtype == torch.bool:
-        raise TypeError(f"pairwise must hold real numbers, got {pairwise.dtype}")
 
 
 def _measurement(value: Any) -> float | None:
@@ -321,7 +267,7 @@ class SaturationDetector:
         check_choice("metric", metric, METRICS)
         chance = None if chance is None else check_real("chance", chance)
         if pairwise is not None:
-            _check_pairwise(pairwise)
+            check_pairwise(pairwise)
         measured = _measurement(value)
 
         key = (layer, projection, metric)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from hdi_monitor.monitor._dashboard import Layout
 
-__all__ = ["Sink", "TensorBoardSink", "LoggerSink", "MemorySink", "layout_proto", "Image"]
+__all__ = ["Sink", "TensorBoardSink", "LoggerSink", "MemorySink", "layout_proto", "Image", "takes_pictures"]
 
 #: An image: a ``(3, height, width)`` uint8 tensor (CHW) or encoded PNG bytes.
 Image = Tensor | bytes
@@ -152,8 +152,14 @@ class LoggerSink:
     """Send scalars to a Lightning logger through ``log_metrics`` (CSV, W&B, MLflow, ...).
 
     Images, histograms and layouts are left to `TensorBoardSink`; text events become no
-    scalars here (the warning itself still reaches the user).
+    scalars here (the warning itself still reaches the user). It takes no pictures
+    (``takes_pictures = False``), so the picture worker never calls it: every call to the logger,
+    ``save()`` included, is made on the training thread, as Lightning's own (a ``CSVLogger``
+    rewritten from two threads at once corrupts its file).
     """
+
+    #: Whether the picture worker writes to this sink (the subclasses that draw set True).
+    takes_pictures = False
 
     def __init__(self, logger: Any) -> None:
         if not callable(getattr(logger, "log_metrics", None)):
@@ -180,6 +186,12 @@ class LoggerSink:
         save = getattr(self.logger, "save", None)
         if callable(save):
             save()
+
+
+def takes_pictures(sink: Any) -> bool:
+    """Whether the picture worker writes a job's images and histograms to ``sink`` (True unless the
+    sink says ``takes_pictures = False``)."""
+    return bool(getattr(sink, "takes_pictures", True))
 
 
 class MemorySink:

@@ -163,6 +163,36 @@ def test_csv_logger_gets_scalars(tmp_path):
     assert logged[4] == pytest.approx(ref.layers[0].hdi["key"], rel=1e-6)
 
 
+def test_a_scalar_only_logger_is_called_on_the_training_thread_only(tmp_path):
+    """A ``CSVLogger`` rewrites its file on ``save()``; the picture worker used to ``flush()`` every
+    sink after an image step, so the CSV file was saved from two threads at once and came out
+    corrupt now and then ("dict contains fields not in fieldnames: None"). A sink that takes no
+    pictures is never called by the worker: every ``log_metrics`` and ``save`` of the logger runs on
+    the training thread, with images drawn at every measured step."""
+    import threading
+
+    calls: list[tuple[str, str]] = []
+
+    class Recording(CSVLogger):
+        def log_metrics(self, metrics, step=None):  # noqa: ANN001, ANN201
+            calls.append(("log_metrics", threading.current_thread().name))
+            return super().log_metrics(metrics, step)
+
+        def save(self):  # noqa: ANN201
+            calls.append(("save", threading.current_thread().name))
+            return super().save()
+
+    monitor = HDIMonitor(every_n_steps=1, projections=("key",), activations=False, strict=True, detector=None)
+    t = trainer(tmp_path, monitor, max_steps=4, logger=Recording(str(tmp_path), name="csv"))
+    fit_thread = threading.current_thread().name
+    t.fit(tiny_lm(), loader())
+    assert monitor.tracker is not None and len(monitor.history) == 4
+    assert {name for name, _ in calls} == {"log_metrics", "save"}
+    assert {thread for _, thread in calls} == {fit_thread}
+    rows = list(csv.DictReader((Path(t.logger.log_dir) / "metrics.csv").read_text().splitlines()))
+    assert sorted(int(r["step"]) for r in rows if r.get(f"hdi/key/{LAYERS[0]}")) == [0, 1, 2, 3]
+
+
 def test_resume_continues_history_without_duplicates(tmp_path):
     ckpt_cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=4)
     model = tiny_lm(lr=1e-3)

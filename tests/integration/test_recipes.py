@@ -32,7 +32,7 @@ DATA = "CharDataModule(" + ", ".join(f"{k}={v}" for k, v in DATA_KW.items()) + "
 
 def _recipe(marker: str) -> str:
     """The page's one Python block that contains ``marker``."""
-    from test_docs import extract_blocks
+    from integration.test_docs import extract_blocks
 
     found = [b.code for b in extract_blocks(PAGE) if b.lang == "python" and marker in b.code]
     assert len(found) == 1, f"{PAGE.name}: expected one recipe block with {marker!r}, found {len(found)}"
