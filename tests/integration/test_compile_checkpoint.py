@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -354,7 +355,7 @@ def _train_step(
     optimizer.zero_grad()
 
 
-def _plain_run(monitor: bool, how: str):
+def _plain_run(monitor: bool, how: str, **settings: Any):
     """SGD (lr 0.1) on a dropout model compiled with aot_eager; measured every 2nd step."""
     from torch._dynamo.utils import counters
 
@@ -368,7 +369,9 @@ def _plain_run(monitor: bool, how: str):
         net.compile(backend="aot_eager")
         model = net
     tracker = (
-        HDITracker(model, every_n_steps=EVERY, spec=SPEC, log_images_every_n_steps=4, max_tokens=None, strict=True)
+        HDITracker(
+            model, every_n_steps=EVERY, spec=SPEC, log_images_every_n_steps=4, max_tokens=None, strict=True, **settings
+        )
         if monitor
         else None
     )
@@ -383,6 +386,18 @@ def _plain_run(monitor: bool, how: str):
     counts = _dynamo_counts()
     torch._dynamo.reset()
     return [p.detach().clone() for p in net.parameters()], counts, tracker, refs
+
+
+def test_compiled_plain_loop_with_the_update_entropy_keeps_its_graphs_and_trains_bit_identically():
+    """Issue 33: with the update entropy on (weights read at every measured step, the previous
+    step's kept), torch.compile(model) with aot_eager keeps its graphs and graph breaks and trains bit
+    for bit as without the monitor; the update entropy is logged from the second measured step."""
+    plain_weights, plain_counts, _, _ = _plain_run(False, "wrap")
+    weights, counts, tracker, _ = _plain_run(True, "wrap", update_entropy=True)
+    assert counts == plain_counts and plain_counts[0] >= 1
+    for a, b in zip(weights, plain_weights, strict=True):
+        assert torch.equal(a, b)
+    assert any(k.startswith("update_entropy/") for k in tracker.history[-1]), sorted(tracker.history[-1])
 
 
 @pytest.mark.parametrize("how", ["wrap", "inplace"])

@@ -14,6 +14,7 @@ import copy
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -103,10 +104,10 @@ def assert_same_run(a: dict, b: dict) -> None:
     assert a["training_flags"] == b["training_flags"]
 
 
-def lightning_run(tmp_path: Path, monitored: bool, accumulate: int = 1) -> dict:
+def lightning_run(tmp_path: Path, monitored: bool, accumulate: int = 1, **settings: Any) -> dict:
     pl.seed_everything(0, verbose=False)
     model = DropoutLM()
-    monitor = HDIMonitor(every_n_steps=2, max_tokens=MAX_TOKENS, log_images_every_n_steps=4, strict=True)
+    monitor = HDIMonitor(every_n_steps=2, max_tokens=MAX_TOKENS, log_images_every_n_steps=4, strict=True, **settings)
     trainer = pl.Trainer(
         max_steps=6,
         accelerator="cpu",
@@ -156,7 +157,12 @@ def train_step(
 
 
 def plain_run(
-    monitored: bool, steps: int = 6, device: str = "cpu", parametrization: str | None = None, kernel_stats: bool = False
+    monitored: bool,
+    steps: int = 6,
+    device: str = "cpu",
+    parametrization: str | None = None,
+    kernel_stats: bool = False,
+    **settings: Any,
 ) -> dict:
     torch.manual_seed(0)
     model = DropoutEncoder().to(device)
@@ -171,6 +177,7 @@ def plain_run(
         log_images_every_n_steps=2,
         kernel_stats=kernel_stats,
         strict=True,
+        **settings,
     )
     losses = []
     for x, y in data():
@@ -190,6 +197,23 @@ def test_plain_loop_training_is_bit_identical_with_the_tracker():
     assert len(with_["tracker"].history) == 3
     assert with_["tracker"].last_token_counts == [MAX_TOKENS, MAX_TOKENS]
     assert_same_run(without, with_)
+
+
+def _weight_signals_logged(row: dict) -> None:
+    assert any(k.startswith("update_entropy/") for k in row), sorted(row)
+    assert any(k.startswith("logit_bound/") for k in row), sorted(row)
+
+
+def test_weight_only_signals_leave_plain_and_lightning_training_bit_identical(tmp_path):
+    """Issue 33: with the update entropy on (opt-in; the logit bound is read on every measured step),
+    the plain loop and the Lightning Trainer train bit for bit as without the monitor, and both
+    signals are logged."""
+    plain = plain_run(monitored=True, update_entropy=True)
+    _weight_signals_logged(plain["tracker"].history[-1])
+    assert_same_run(plain_run(monitored=False), plain)
+    with_ = lightning_run(tmp_path / "with", monitored=True, update_entropy=True)
+    _weight_signals_logged(with_["monitor"].history[-1])
+    assert_same_run(lightning_run(tmp_path / "without", monitored=False), with_)
 
 
 @pytest.mark.parametrize("kernel_stats", [False, True])
@@ -310,7 +334,7 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": ids, "attention_mask": torch.ones(16, dtype=torch.long), "labels": ids.clone()}
 
 
-def hf_run(tmp_path: Path, monitored: bool) -> dict:
+def hf_run(tmp_path: Path, monitored: bool, **settings: Any) -> dict:
     from hdi_monitor.integrations import HDITrainerCallback
 
     torch.manual_seed(0)
@@ -339,7 +363,9 @@ def hf_run(tmp_path: Path, monitored: bool) -> dict:
         seed=0,
         dataloader_num_workers=0,
     )
-    monitor = HDITrainerCallback(every_n_steps=2, max_tokens=MAX_TOKENS, log_dir=str(tmp_path / "tb"), strict=True)
+    monitor = HDITrainerCallback(
+        every_n_steps=2, max_tokens=MAX_TOKENS, log_dir=str(tmp_path / "tb"), strict=True, **settings
+    )
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=TokenDataset(), callbacks=[monitor] if monitored else []
     )
@@ -357,3 +383,11 @@ def test_hf_trainer_training_is_bit_identical_with_the_callback(tmp_path):
     assert [h["step"] for h in with_["monitor"].history] == [0.0, 2.0, 4.0]
     assert with_["monitor"].tracker.last_token_counts == [MAX_TOKENS] * 2  # per layer per measured step
     assert_same_run(without, with_)
+
+
+def test_weight_only_signals_leave_hf_training_bit_identical(tmp_path):
+    """Issue 33: the Hugging Face Trainer callback with the update entropy on trains bit for bit as
+    without it, and logs both weight-only signals."""
+    with_ = hf_run(tmp_path / "with", monitored=True, update_entropy=True)
+    _weight_signals_logged(with_["monitor"].history[-1])
+    assert_same_run(hf_run(tmp_path / "without", monitored=False), with_)
