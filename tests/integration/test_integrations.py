@@ -439,6 +439,7 @@ def test_example_hf_trainer_runs(tmp_path, capsys):
 
 @pytest.mark.slow
 @needs_hf
+@pytest.mark.filterwarnings("ignore::hdi_monitor.DiversityWarning")  # the events this test counts
 def test_hf_resume_from_checkpoint_restores_history_and_detector(tmp_path):
     """Item 4 (issue 12): HDITrainerCallback is an ExportableState; resume_from_checkpoint brings back
     its history, events and detector, so the resumed run equals an uninterrupted one."""

@@ -367,6 +367,7 @@ def test_compiled_model_kernel_stats_from_the_side_forward():
         torch.testing.assert_close(layer.attention_entropy, _prob_entropy(p, keep), atol=TOL, rtol=0)
 
 
+@pytest.mark.filterwarnings("ignore:.*token mask:hdi_monitor.MonitoringWarning")  # the 4-D mask note, expected
 def test_partly_compiled_model_names_the_layers_outside_the_compiled_part():
     torch._dynamo.reset()
     torch.manual_seed(0)
