@@ -37,8 +37,6 @@ results. Runs go to ``--jobs`` worker processes of one thread each.
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import json
 import math
 import multiprocessing
@@ -84,14 +82,9 @@ RESULT_KEYS = (
     "early_choice",
 )
 
-#: Modules whose docstrings make the default corpus (the warnings study's list; they ship with Python).
-MODULES = (
-    "argparse", "asyncio", "calendar", "collections", "configparser", "csv", "datetime", "decimal",
-    "difflib", "email.message", "fractions", "functools", "gettext", "gzip", "heapq", "http.client",
-    "inspect", "ipaddress", "json", "logging", "mailbox", "os", "pathlib", "pickle", "pprint", "queue",
-    "random", "shutil", "socket", "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap",
-    "threading", "tokenize", "typing", "unittest", "urllib.parse", "uuid", "warnings", "zipfile",
-)  # fmt: skip
+# The default corpus is the warnings study's (the same stdlib docstrings, one loader; the script's own
+# folder is on sys.path when it runs).
+from warnings_study import MODULES, file_documents, stdlib_documents  # noqa: E402, F401
 
 
 def log(msg: str) -> None:
@@ -99,31 +92,6 @@ def log(msg: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------- data
-def stdlib_documents() -> list[str]:
-    """Distinct ASCII docstrings of `MODULES` and their public members, in a fixed order."""
-    seen: set[str] = set()
-    docs: list[str] = []
-    for name in MODULES:
-        mod = importlib.import_module(name)
-        objs = [mod] + [obj for key, obj in sorted(vars(mod).items()) if not key.startswith("_")]
-        for obj in objs:
-            members = [obj]
-            if inspect.isclass(obj):
-                members += [m for key, m in sorted(vars(obj).items()) if not key.startswith("_")]
-            for m in members:
-                doc = inspect.getdoc(m) if callable(m) or inspect.ismodule(m) else None
-                if doc and doc not in seen and doc.isascii() and len(doc) >= 80:
-                    seen.add(doc)
-                    docs.append(doc)
-    return docs
-
-
-def file_documents(path: Path) -> list[str]:
-    """Blank-line separated paragraphs of a text file, ASCII only."""
-    text = path.read_text(encoding="utf-8", errors="ignore").encode("ascii", "ignore").decode("ascii")
-    return [p.strip() for p in text.split("\n\n") if len(p.strip()) >= 80]
-
-
 def split_tokens(docs: list[str], seed: int = 0) -> tuple[Tensor, Tensor]:
     """Train and held-out byte streams: documents shuffled by a private generator, 10% held out."""
     g = torch.Generator().manual_seed(seed)
