@@ -317,8 +317,9 @@ class AttentionLayer:
             argument (see `hdi_monitor.models.hooks.CallMasks`).
 
     Family adapters build layers from `WeightSource` callables (one per projection) and the
-    module whose input is the concatenated head output; subclasses may override
-    `attach_output_hook` (``nn.MultiheadAttention`` does).
+    module whose input is the concatenated head output; a subclass whose output projection never
+    sees that input overrides `_output_pre_hook`, where the output hook goes and what it reads
+    (``nn.MultiheadAttention`` does).
     """
 
     def __init__(
@@ -472,6 +473,17 @@ class AttentionLayer:
         Inside a Dynamo trace (the model called through a ``torch.compile`` region) the hook does
         nothing and tells ``signal`` (see `TraceSignal`): ``fn`` is only ever called eagerly.
         """
+        module, pre_hook = self._output_pre_hook(fn, select)
+        return HookHandle(module.register_forward_pre_hook(guarded(pre_hook, on_error, signal), with_kwargs=True))
+
+    def _output_pre_hook(self, fn: OutputHook, select: TokenSelect | None) -> tuple[nn.Module, Callable[..., None]]:
+        """Where `attach_output_hook` hooks, and the forward pre-hook that calls ``fn(o, keep_mask)``
+        there (`attach_output_hook` guards it and registers it with kwargs).
+
+        Here: the output module, whose input is ``o`` (this rank's heads gathered over the TP group
+        under tensor parallelism, ``select`` first). A family whose output projection never sees
+        ``o`` (``nn.MultiheadAttention``) overrides it.
+        """
         if self._output_module is None:
             raise ValueError(
                 f"{self.name}: no output module to hook; give AttentionSpec(output_module=...) the name of "
@@ -492,8 +504,7 @@ class AttentionLayer:
                 o = gather_heads(o, split, width, self.name)
             fn(o.detach(), keep)
 
-        hook = guarded(pre_hook, on_error, signal)
-        return HookHandle(self._output_module.register_forward_pre_hook(hook, with_kwargs=True))
+        return self._output_module, pre_hook
 
 
 # ------------------------------------------------------------------------------------------ registry

@@ -24,6 +24,7 @@ on measured steps its output is rounded differently (about 1e-7); ``activations=
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,13 +38,10 @@ from hdi_monitor.models.base import (
     Adapter,
     AdapterMismatch,
     AttentionLayer,
-    ErrorHandler,
     HookHandle,
     OutputHook,
     TokenSelect,
-    TraceSignal,
     full_weight,
-    guarded,
 )
 from hdi_monitor.models.logits import LogitForm
 from hdi_monitor.models.tensor_parallel import tensor_parallel_of
@@ -240,25 +238,18 @@ def mha_head_outputs(
 
 
 class MHALayer(AttentionLayer):
-    """An ``nn.MultiheadAttention``; its output hook recomputes head outputs from the forward inputs."""
+    """An ``nn.MultiheadAttention``; its output hook recomputes head outputs from the forward inputs.
 
-    def attach_output_hook(
-        self,
-        fn: OutputHook,
-        on_error: ErrorHandler | None = None,
-        *,
-        select: TokenSelect | None = None,
-        signal: TraceSignal | None = None,
-    ) -> HookHandle:
-        """Call ``fn(o, keep_mask)`` on every forward of the MHA while attached (``select`` is for
-        tensor-parallel layers, which ``nn.MultiheadAttention`` never is: unused; ``signal``: as for
-        `AttentionLayer.attach_output_hook`, the hook does nothing inside a Dynamo trace).
+    `attach_output_hook` hooks the MHA's own forward (``select`` is for tensor-parallel layers, which
+    ``nn.MultiheadAttention`` never is: unused). ``o`` is recomputed from the call's inputs (see
+    `mha_head_outputs`). For self-attention calls (``query is key``) with a ``key_padding_mask``,
+    ``keep_mask = ~key_padding_mask`` (float masks: entries that are not -inf), laid out like
+    ``o.shape[:-1]``; otherwise None (for cross-attention the padding mask describes the keys, not the
+    query tokens).
+    """
 
-        ``o`` is recomputed from the call's inputs (see `mha_head_outputs`). For self-attention
-        calls (``query is key``) with a ``key_padding_mask``, ``keep_mask = ~key_padding_mask`` (float
-        masks: entries that are not -inf), laid out like ``o.shape[:-1]``; otherwise None (for
-        cross-attention the padding mask describes the keys, not the query tokens).
-        """
+    def _output_pre_hook(self, fn: OutputHook, select: TokenSelect | None) -> tuple[nn.Module, Callable[..., None]]:
+        """The MHA itself, and a pre-hook that recomputes ``o`` from its call (see the class)."""
         mha = self.module
         assert isinstance(mha, nn.MultiheadAttention)
 
@@ -285,7 +276,7 @@ class MHALayer(AttentionLayer):
                         keep = keep.transpose(0, 1)
             fn(o, keep)
 
-        return HookHandle(mha.register_forward_pre_hook(guarded(pre_hook, on_error, signal), with_kwargs=True))
+        return mha, pre_hook
 
 
 def _match(name: str, module: nn.Module) -> bool:
