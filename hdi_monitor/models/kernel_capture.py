@@ -68,7 +68,7 @@ from hdi_monitor.functional.kernel import MASKED_AT, default_kv_head_map
 from hdi_monitor.models.base import AttentionLayer, ErrorHandler, TraceSignal, traced
 from hdi_monitor.models.torch_mha import _MHA_ARGS, _keep_from_padding, mha_heads, unnest_self_attention
 
-__all__ = ["NOT_RUN", "KernelCall", "KernelCapture", "mha_query_key"]
+__all__ = ["NOT_RUN", "KernelCall", "KernelCapture"]
 
 #: Keyword arguments of an attention function that change its softmax in ways the statistics do not
 #: model; a call that passes one of them (not None) is not measured and its layer is named.
@@ -108,24 +108,6 @@ class KernelCall:
     is_causal: bool
     kv_head_map: Tensor | None = None
     query_keep: Tensor | None = None
-
-
-def mha_query_key(
-    mha: nn.MultiheadAttention,
-    query: Tensor,
-    key: Tensor,
-    key_padding_mask: Tensor | None = None,
-    attn_mask: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The per-head ``q``, ``k`` and mask that ``nn.MultiheadAttention`` gives its kernel (see
-    `hdi_monitor.models.torch_mha.mha_heads`, which also makes the head outputs).
-
-    Returns:
-        ``q`` ``(B, H, L, d)``, ``k`` ``(B, H, S, d)`` in float32 at least, and an additive float mask
-        broadcastable to ``(B, H, L, S)`` (``-inf`` = not allowed) or None.
-    """
-    q, k, _, mask = mha_heads(mha, query, key, None, key_padding_mask, attn_mask)
-    return q, k, mask
 
 
 @dataclass
@@ -253,6 +235,27 @@ class KernelCapture:
         st = self._stack()
         return st[-1] if st else None
 
+    def _layer_of(self, module: nn.Module) -> str | None:
+        """The watched layer a kernel call on ``module`` belongs to: the layer that owns ``module``,
+        else the innermost frame's on this thread (a shared function called inside a layer), else None."""
+        layer = self._owner.get(id(module))
+        if layer is None:
+            top = self._top()
+            layer = top.layer if top is not None else None
+        return layer
+
+    def _call_in_frame(self, frame: _Frame, original: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """``original(*args, **kwargs)`` with ``frame`` on this thread's stack while it runs, so that
+        the kernel calls inside it are read as ``frame`` says; popped after (if still on top: a
+        watched layer's post-hook unwinds the frames an exception left behind)."""
+        stack = self._stack()
+        stack.append(frame)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if stack and stack[-1] is frame:
+                stack.pop()
+
     def _emit(self, call: KernelCall) -> None:
         self.calls[call.layer] = self.calls.get(call.layer, 0) + 1
         self.on_call(call)
@@ -346,7 +349,7 @@ class KernelCapture:
             # self-attention: the padded keys are padded queries too (never counted as queries)
             real = _keep_from_padding(kpm)
             real = real[None] if real.dim() == 1 else real
-        q, k, mask = mha_query_key(mha, call["query"], call["key"], kpm, call.get("attn_mask"))
+        q, k, _, mask = mha_heads(mha, call["query"], call["key"], None, kpm, call.get("attn_mask"))
         scale = 1.0 / math.sqrt(mha.head_dim)
         self._emit(KernelCall(name, "nn.MultiheadAttention", q, k, scale, mask, False, query_keep=real))
 
@@ -415,10 +418,7 @@ class KernelCapture:
         ) -> Any:
             if traced(capture.signal):
                 return original(module, query, key, value, attention_mask, *args, **kwargs)
-            layer = capture._owner.get(id(module))
-            if layer is None:
-                top = capture._top()
-                layer = top.layer if top is not None else None
+            layer = capture._layer_of(module)
             if layer is None:
                 return original(module, query, key, value, attention_mask, *args, **kwargs)
             bad = [n for n in UNSUPPORTED_KWARGS if kwargs.get(n) is not None]
@@ -428,13 +428,7 @@ class KernelCapture:
                 frame = _Frame(layer, "blocked")
             else:
                 frame = _Frame(layer, "registry", query, key, attention_mask)
-            stack = capture._stack()
-            stack.append(frame)
-            try:
-                out = original(module, query, key, value, attention_mask, *args, **kwargs)
-            finally:
-                if stack and stack[-1] is frame:
-                    stack.pop()
+            out = capture._call_in_frame(frame, original, module, query, key, value, attention_mask, *args, **kwargs)
             if frame.kind == "registry" and not frame.reached:
                 capture._refuse(layer, "transformers' 'sdpa' function did not call F.scaled_dot_product_attention")
             return out
@@ -471,22 +465,13 @@ class KernelCapture:
         ) -> Any:
             if traced(capture.signal):
                 return original(module, query, key, value, attention_mask, *args, **kwargs)
-            layer = capture._owner.get(id(module))
-            top = capture._top()
-            if layer is None and top is not None:
-                layer = top.layer
+            layer = capture._layer_of(module)
             if layer is not None:
                 named = dict(zip(positional, args, strict=False))
                 named.update(kwargs)
                 capture._guard(lambda: capture._eager_call(layer, query, key, attention_mask, named))
-            stack = capture._stack()
-            frame = _Frame(layer or "", "blocked")
-            stack.append(frame)  # an F.sdpa call inside the eager function is the same kernel
-            try:
-                return original(module, query, key, value, attention_mask, *args, **kwargs)
-            finally:
-                if stack and stack[-1] is frame:
-                    stack.pop()
+            frame = _Frame(layer or "", "blocked")  # an F.sdpa call inside the eager function is the same kernel
+            return capture._call_in_frame(frame, original, module, query, key, value, attention_mask, *args, **kwargs)
 
         return eager
 
