@@ -285,9 +285,9 @@ LAYOUTS: tuple[Layout, ...] = (
         "query",
         "key",
         "value",
-        classes=r"VJEPA2RopeAttention",
+        classes=r"VJEPA2RopeAttention|PvtV2SelfAttention",
         masked=False,
-        used_by="V-JEPA 2 (3D rotary attention)",
+        used_by="V-JEPA 2 (3D rotary attention), PVTv2 (key/value read the spatially reduced tokens)",
     ),
     Layout(
         "llama",
@@ -374,16 +374,6 @@ LAYOUTS: tuple[Layout, ...] = (
         classes=r"BigBirdPegasusEncoderAttention",
         heads_at="self",
         used_by="BigBird-Pegasus encoder (full or block-sparse attention)",
-    ),
-    Layout(
-        "vit",
-        "proj",
-        "query",
-        "key",
-        "value",
-        classes=r"PvtV2SelfAttention",
-        masked=False,
-        used_by="PVTv2 (key/value read the spatially reduced tokens)",
     ),
     Layout(
         "conformer",
