@@ -7,9 +7,11 @@ the lower end of its bootstrap interval above the best baseline's precision. Eve
 detected, logged and drawn, and does not warn (``warn_on`` turns it on).
 
 The figures come from ``benchmarks/results/warnings_study.json`` (its ``out_of_sample`` section),
-through the generated module `hdi_monitor._evidence_data`, written by ``benchmarks/make_evidence.py``
-(``--check`` fails when it is stale). A results file without that section gives no evidence at all:
-`EVIDENCE` is empty and `DEFAULTS_ON` is empty, so nothing warns by default.
+through the generated package data file ``hdi_monitor/_evidence.json``, written by
+``benchmarks/make_evidence.py`` (``--check`` fails when it is stale) and read here with
+`importlib.resources` (`load_evidence` reads it, or another such file). A results file without that
+section gives no evidence at all: `EVIDENCE` is empty and `DEFAULTS_ON` is empty, so nothing warns
+by default.
 
 ```python
 from hdi_monitor.evidence import DEFAULTS_ON, EVIDENCE, signal_of
@@ -21,12 +23,15 @@ for signal in DEFAULTS_ON:
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from hdi_monitor import _evidence_data as _data
 from hdi_monitor.events import DiversityEvent
 
 __all__ = [
@@ -38,8 +43,10 @@ __all__ = [
     "SIGNALS",
     "SOURCE",
     "Evidence",
+    "EvidenceFile",
     "backed",
     "evidence_clause",
+    "load_evidence",
     "signal_of",
 ]
 
@@ -60,10 +67,8 @@ SIGNALS: tuple[str, ...] = (
 KINDS_WITH_METRIC: tuple[str, ...] = ("saturation", "collapse")
 #: Where a warning points for its evidence.
 DOCS = "docs/early-warnings.md"
-#: The results file the figures were generated from.
-SOURCE: str = _data.SOURCE
-#: False when that file holds no held-out evidence (then `EVIDENCE` and `DEFAULTS_ON` are empty).
-HAS_EVIDENCE: bool = _data.HAS_EVIDENCE
+#: The package data file `load_evidence` reads by default (written by ``benchmarks/make_evidence.py``).
+_DATA_FILE = "_evidence.json"
 
 
 @dataclass(frozen=True)
@@ -131,10 +136,67 @@ def _evidence(signal: str, record: Mapping[str, Any]) -> Evidence:
     )
 
 
+@dataclass(frozen=True)
+class EvidenceFile:
+    """The generated evidence file, read (`load_evidence`): what this module's names hold.
+
+    Attributes:
+        source: the results file the figures were generated from.
+        has_evidence: False when that file holds no held-out evidence (then ``evidence`` and
+            ``defaults_on`` are empty).
+        note: what the file holds, in one line.
+        evidence: each signal's out-of-sample record, by signal name.
+        defaults_on: the signals that beat every baseline out of sample.
+        chosen_on_all_runs: the detector settings the study chose on all its runs, per signal.
+    """
+
+    source: str
+    has_evidence: bool
+    note: str
+    evidence: Mapping[str, Evidence]
+    defaults_on: tuple[str, ...]
+    chosen_on_all_runs: Mapping[str, Mapping[str, Any]]
+
+
+def load_evidence(source: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> EvidenceFile:
+    """Read an evidence file written by ``benchmarks/make_evidence.py``: by default the package's own
+    (``hdi_monitor/_evidence.json``, through `importlib.resources`), else the file at ``source`` or
+    its parsed content.
+
+    Raises:
+        ValueError: the file lacks one of the generator's keys.
+    """
+    if source is None:
+        data = json.loads((files("hdi_monitor") / _DATA_FILE).read_text(encoding="utf-8"))
+    elif isinstance(source, Mapping):
+        data = source
+    else:
+        data = json.loads(Path(source).read_text(encoding="utf-8"))
+    keys = ("source", "has_evidence", "note", "out_of_sample", "defaults_on", "chosen_on_all_runs")
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise ValueError(f"the evidence file lacks {', '.join(missing)}; rerun python benchmarks/make_evidence.py")
+    return EvidenceFile(
+        source=str(data["source"]),
+        has_evidence=bool(data["has_evidence"]),
+        note=str(data["note"]),
+        evidence=MappingProxyType({str(s): _evidence(str(s), r) for s, r in data["out_of_sample"].items()}),
+        defaults_on=tuple(str(s) for s in data["defaults_on"]),
+        chosen_on_all_runs=MappingProxyType(
+            {str(s): MappingProxyType(dict(v)) for s, v in data["chosen_on_all_runs"].items()}
+        ),
+    )
+
+
+_FILE = load_evidence()
+#: The results file the figures were generated from.
+SOURCE: str = _FILE.source
+#: False when that file holds no held-out evidence (then `EVIDENCE` and `DEFAULTS_ON` are empty).
+HAS_EVIDENCE: bool = _FILE.has_evidence
 #: Each signal's out-of-sample record, by signal name; empty when the results file holds none.
-EVIDENCE: Mapping[str, Evidence] = MappingProxyType({s: _evidence(s, r) for s, r in _data.OUT_OF_SAMPLE.items()})
+EVIDENCE: Mapping[str, Evidence] = _FILE.evidence
 #: The signals that warn by default (``warn_on=None``): those that beat every baseline out of sample.
-DEFAULTS_ON: tuple[str, ...] = tuple(_data.DEFAULTS_ON)
+DEFAULTS_ON: tuple[str, ...] = _FILE.defaults_on
 
 
 def signal_of(event: DiversityEvent) -> str:

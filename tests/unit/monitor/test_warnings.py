@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import json
 import logging
@@ -17,7 +16,6 @@ import pytest
 import torch
 from conftest import tiny_lm
 
-import hdi_monitor
 from hdi_monitor import DiversityEvent, DiversityWarning, HDIMonitor, HDITracker, MonitorConfig, SaturationDetector
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -72,30 +70,29 @@ def _write(tmp_path: Path, results: dict, name: str = "study.json") -> Path:
 
 
 def _load(path: Path):
-    spec = importlib.util.spec_from_file_location(f"evidence_data_{abs(hash(path))}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A generated evidence file, read as `hdi_monitor.evidence` reads the package's own."""
+    from hdi_monitor.evidence import load_evidence
+
+    return load_evidence(path)
 
 
 @pytest.fixture
 def with_evidence(tmp_path, monkeypatch):
-    """``hdi_monitor.evidence`` rebuilt from a generated module for a results file (restored after)."""
+    """``hdi_monitor.evidence`` with its names read from a file generated for a results file (restored
+    after)."""
     import hdi_monitor.evidence as evidence
 
     def use(results: dict):
-        out = tmp_path / "_evidence_data.py"
+        out = tmp_path / "_evidence.json"
         assert make_evidence.main(["--results", str(_write(tmp_path, results)), "--out", str(out)]) == 0
-        module = _load(out)
-        monkeypatch.setitem(sys.modules, "hdi_monitor._evidence_data", module)
-        monkeypatch.setattr(hdi_monitor, "_evidence_data", module, raising=False)
-        importlib.reload(evidence)
+        data = _load(out)
+        monkeypatch.setattr(evidence, "SOURCE", data.source)
+        monkeypatch.setattr(evidence, "HAS_EVIDENCE", data.has_evidence)
+        monkeypatch.setattr(evidence, "EVIDENCE", data.evidence)
+        monkeypatch.setattr(evidence, "DEFAULTS_ON", data.defaults_on)
         return evidence
 
-    yield use
-    monkeypatch.undo()
-    importlib.reload(evidence)
+    return use
 
 
 # ---------------------------------------------------------------------------- the evidence file
@@ -103,15 +100,20 @@ def with_evidence(tmp_path, monkeypatch):
 
 def test_make_evidence_generates_the_new_schema_and_checks_staleness(tmp_path, capsys):
     results = _write(tmp_path, NEW_SCHEMA)
-    out = tmp_path / "data.py"
+    out = tmp_path / "data.json"
     assert make_evidence.main(["--results", str(results), "--out", str(out)]) == 0
+    raw = json.loads(out.read_text())
+    assert raw["source"] == "study.json" and "do not edit" in raw["generated_by"]
+    assert list(raw) == sorted(raw)  # sort_keys: a rerun diffs cleanly
+    assert raw["out_of_sample"]["logit_blowup"]["interval"] == [0.61, 0.83]
+    assert raw["out_of_sample"]["logit_blowup"]["baselines"]["loss_zscore_3"] == 0.30
     data = _load(out)
-    assert data.HAS_EVIDENCE is True
-    assert data.DEFAULTS_ON == ["logit_blowup"]
-    assert sorted(data.OUT_OF_SAMPLE) == ["logit_blowup", "redundancy", "saturation/hdi"]
-    assert data.OUT_OF_SAMPLE["logit_blowup"]["interval"] == [0.61, 0.83]
-    assert data.OUT_OF_SAMPLE["logit_blowup"]["baselines"]["loss_zscore_3"] == 0.30
-    assert data.CHOSEN_ON_ALL_RUNS == {"logit_blowup": {"logit_threshold": 500.0}}
+    assert data.has_evidence is True
+    assert data.defaults_on == ("logit_blowup",)
+    assert sorted(data.evidence) == ["logit_blowup", "redundancy", "saturation/hdi"]
+    assert data.evidence["logit_blowup"].interval == (0.61, 0.83)
+    assert data.evidence["logit_blowup"].baselines["loss_zscore_3"] == 0.30
+    assert data.chosen_on_all_runs == {"logit_blowup": {"logit_threshold": 500.0}}
     assert make_evidence.main(["--results", str(results), "--out", str(out), "--check"]) == 0
     # the results change: the module is stale until regenerated
     changed = json.loads(json.dumps(NEW_SCHEMA))
@@ -120,18 +122,18 @@ def test_make_evidence_generates_the_new_schema_and_checks_staleness(tmp_path, c
         make_evidence.main(["--results", str(_write(tmp_path, changed, "b.json")), "--out", str(out), "--check"]) == 1
     )
     assert "stale" in capsys.readouterr().err
-    assert make_evidence.main(["--results", str(results), "--out", str(tmp_path / "none.py"), "--check"]) == 1
+    assert make_evidence.main(["--results", str(results), "--out", str(tmp_path / "none.json"), "--check"]) == 1
 
 
 def test_make_evidence_without_out_of_sample_gives_no_evidence(tmp_path, capsys):
     """The study's first schema (no held-out scoring): no evidence, nothing warns by default, said."""
     old = {"command": "python benchmarks/warnings_study.py", "chosen": {"saturation": None}}
-    out = tmp_path / "data.py"
+    out = tmp_path / "data.json"
     assert make_evidence.main(["--results", str(_write(tmp_path, old)), "--out", str(out)]) == 0
     assert "no evidence, nothing warns by default" in capsys.readouterr().out
     data = _load(out)
-    assert data.HAS_EVIDENCE is False and data.OUT_OF_SAMPLE == {} and data.DEFAULTS_ON == []
-    assert "no held-out evidence" in data.NOTE
+    assert data.has_evidence is False and data.evidence == {} and data.defaults_on == ()
+    assert "no held-out evidence" in data.note
 
 
 @pytest.mark.parametrize(
@@ -152,7 +154,7 @@ def test_make_evidence_refuses_an_inconsistent_file(tmp_path, capsys, edit, mess
     edit(results)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(results, allow_nan=True))
-    out = tmp_path / "data.py"
+    out = tmp_path / "data.json"
     assert make_evidence.main(["--results", str(path), "--out", str(out)]) == 2
     assert message in capsys.readouterr().err and not out.exists()
 
@@ -164,7 +166,7 @@ def test_make_evidence_signals_are_the_monitors():
 
 
 def test_committed_evidence_matches_the_results_file_and_defaults_beat_their_baselines():
-    """The generated module is what ``benchmarks/results/warnings_study.json`` gives (make_evidence
+    """The generated file is what ``benchmarks/results/warnings_study.json`` gives (make_evidence
     --check), and every default-on signal is one the results file marks as beating its baselines,
     with the lower end of its interval above the best baseline (read from the file here)."""
     from hdi_monitor.evidence import DEFAULTS_ON, EVIDENCE
@@ -182,6 +184,29 @@ def test_committed_evidence_matches_the_results_file_and_defaults_beat_their_bas
     for signal, record in EVIDENCE.items():
         assert record.precision == section[signal]["precision"]
         assert record.best_baseline_precision == section[signal]["best_baseline_precision"]
+
+
+def test_the_evidence_ships_as_package_data():
+    """``hdi_monitor/_evidence.json`` is found through `importlib.resources` where the package is
+    imported from, is the file ``make_evidence --check`` keeps up to date, is what
+    `hdi_monitor.evidence` holds, and is listed in pyproject.toml's package data (a wheel ships it)."""
+    from importlib.resources import files
+
+    import hdi_monitor.evidence as evidence
+
+    resource = files("hdi_monitor") / "_evidence.json"
+    assert resource.is_file()
+    text = resource.read_text(encoding="utf-8")
+    assert text == make_evidence.OUT.read_text(encoding="utf-8")
+    data = evidence.load_evidence(json.loads(text))
+    assert data == evidence.load_evidence()
+    held = (evidence.SOURCE, evidence.HAS_EVIDENCE, evidence.DEFAULTS_ON, evidence.EVIDENCE)
+    assert held == (data.source, data.has_evidence, data.defaults_on, data.evidence)
+    with pytest.raises(ValueError, match="lacks has_evidence, note"):
+        evidence.load_evidence({k: v for k, v in json.loads(text).items() if k not in ("has_evidence", "note")})
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "_evidence.json" in setuptools["package-data"]["hdi_monitor"]
 
 
 def test_evidence_records_and_defaults_come_from_the_file(with_evidence):
