@@ -155,6 +155,19 @@ def _truncated_pickle(err: BaseException) -> bool:
     return isinstance(err, EOFError) or "truncated" in str(err) or "Ran out of input" in str(err)
 
 
+def _unpickling_error(err: BaseException, path: Path, what: str, allow_pickle: bool) -> CLIError | None:
+    """The CLIError for a failed ``torch.load`` of ``what`` at ``path`` whose cause is known: Python
+    objects refused by ``weights_only`` (unless ``allow_pickle``), or a file cut off; None otherwise
+    (the caller says what it was doing)."""
+    if not allow_pickle and "Weights only load failed" in str(err):
+        return CLIError(
+            f"{what} {str(path)!r} holds Python objects beyond tensors; if you trust the file, rerun with --allow-pickle"
+        )
+    if _truncated_pickle(err):
+        return CLIError(f"{what} {str(path)!r} is truncated: its data ends early; the save or the copy was cut off")
+    return None
+
+
 def _looks_like_torch_file(path: Path) -> bool:
     """A ``torch.save`` zip archive, or a legacy pickle (protocol 2+ starts with byte 0x80)."""
     import zipfile
@@ -183,15 +196,7 @@ def _torch_load(path: Path, allow_pickle: bool, what: str) -> Any:
     try:
         return torch.load(str(path), map_location="cpu", weights_only=not allow_pickle)
     except Exception as err:  # noqa: BLE001
-        if not allow_pickle and "Weights only load failed" in str(err):
-            raise CLIError(
-                f"{what} {str(path)!r} holds Python objects beyond tensors; if you trust the file, rerun with --allow-pickle"
-            ) from err
-        if _truncated_pickle(err):
-            raise CLIError(
-                f"{what} {str(path)!r} is truncated: its data ends early; the save or the copy was cut off"
-            ) from err
-        raise CLIError(
+        raise _unpickling_error(err, path, what, allow_pickle) or CLIError(
             f"{what} {str(path)!r} is not a PyTorch model file ({type(err).__name__}: {one_line(err)})"
         ) from err
 
@@ -233,15 +238,9 @@ def _load_lightning(path: Path, spec: str, allow_pickle: bool) -> Any:
     try:
         return cls.load_from_checkpoint(str(path), map_location="cpu", weights_only=not allow_pickle)
     except Exception as err:  # noqa: BLE001
-        if not allow_pickle and "Weights only load failed" in str(err):
-            raise CLIError(
-                f"{str(path)!r} holds Python objects beyond tensors; if you trust the file, rerun with --allow-pickle"
-            ) from err
-        if _truncated_pickle(err):
-            raise CLIError(
-                f"checkpoint {str(path)!r} is truncated: its data ends early; the save or the copy was cut off"
-            ) from err
-        raise CLIError(f"cannot rebuild {spec} from {str(path)!r} ({type(err).__name__}: {one_line(err)})") from err
+        raise _unpickling_error(err, path, "checkpoint", allow_pickle) or CLIError(
+            f"cannot rebuild {spec} from {str(path)!r} ({type(err).__name__}: {one_line(err)})"
+        ) from err
 
 
 def _is_lightning_checkpoint(obj: Any) -> bool:

@@ -40,25 +40,29 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-from hdi_monitor._validation import check_int
+from hdi_monitor._validation import check_choice, check_int
 from hdi_monitor.functional._numerics import ieee_float32_matmul, no_autocast
 from hdi_monitor.functional.covariance import subsample_mask
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "MASKED_AT",
+    "ComputeDtype",
     "KernelStatsResult",
     "KernelSums",
     "allowed_keys",
     "attention_kernel_stats",
     "check_kernel_call",
     "default_kv_head_map",
+    "kernel_dtype",
     "kernel_results",
     "kernel_sums",
+    "subsample_queries",
 ]
 
 #: `kernel_sums` takes queries in chunks whose temporaries (each query's keys
@@ -72,6 +76,10 @@ DEFAULT_CHUNK_BYTES: int = 32 << 20
 MASKED_AT: float = -1e4
 
 _F64 = torch.float64
+
+#: The dtype choice of the logits and the softmax: ``"auto"`` (see `kernel_dtype`), ``"float32"`` or
+#: ``"float64"``.
+ComputeDtype = Literal["auto", "float32", "float64"]
 
 
 @dataclass(frozen=True)
@@ -197,6 +205,33 @@ def check_kernel_call(
         except RuntimeError as err:
             raise ValueError(f"query_keep of shape {tuple(query_keep.shape)} does not broadcast to {(b, t)}") from err
     return keep, kv_map
+
+
+def subsample_queries(
+    keep: Tensor, max_tokens: int | None, generator: torch.Generator | None = None
+) -> tuple[Tensor, int | None]:
+    """The queries `kernel_sums` measures and its ``slots``, from the keep flags of `check_kernel_call`.
+
+    ``(keep, None)`` (every kept query) when ``max_tokens`` is None or at least ``keep.numel()``;
+    otherwise at most ``max_tokens`` of the kept queries, chosen uniformly at random without
+    replacement by `subsample_mask` (one ``randperm`` drawn from ``generator``; None: a private
+    generator seeded with 0, never the global one), and ``max_tokens`` slots.
+    """
+    if max_tokens is None or check_int("max_tokens", max_tokens) >= keep.numel():
+        return keep, None
+    return subsample_mask(keep, max_tokens, generator), max_tokens
+
+
+def kernel_dtype(q: Tensor, k: Tensor, compute_dtype: ComputeDtype = "auto") -> torch.dtype:
+    """The dtype of one call's logits and softmax in `kernel_sums` (its sums are float64 whatever this says).
+
+    ``"auto"``: float64 on the CPU or when ``q`` or ``k`` is float64, else float32 (float64 matmuls
+    run at a small fraction of the float32 rate on many GPUs); ``"float32"`` and ``"float64"`` as
+    named. Never below float32.
+    """
+    if check_choice("compute_dtype", compute_dtype, ComputeDtype) == "auto":
+        return _F64 if q.dtype == _F64 or k.dtype == _F64 or q.device.type == "cpu" else torch.float32
+    return _F64 if compute_dtype == "float64" else torch.float32
 
 
 def kernel_sums(
@@ -334,12 +369,8 @@ def attention_kernel_stats(
         ```
     """
     keep, kv_map = check_kernel_call(q, k, mask=mask, query_keep=query_keep, kv_head_map=kv_head_map)
-    slots = None
-    if max_tokens is not None and check_int("max_tokens", max_tokens) < keep.numel():
-        keep, slots = subsample_mask(keep, max_tokens, generator), max_tokens
-    wide = q.dtype == _F64 or k.dtype == _F64 or q.device.type == "cpu"
+    keep, slots = subsample_queries(keep, max_tokens, generator)
     sums = kernel_sums(
-        q, k, keep, slots=slots, scale=scale, mask=mask, is_causal=is_causal, kv_map=kv_map,
-        dtype=_F64 if wide else torch.float32,
-    )  # fmt: skip
+        q, k, keep, slots=slots, scale=scale, mask=mask, is_causal=is_causal, kv_map=kv_map, dtype=kernel_dtype(q, k)
+    )
     return kernel_results([sums])[0]

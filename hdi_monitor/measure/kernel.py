@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from hdi_monitor._validation import check_choice, check_instance, check_int
-from hdi_monitor.functional.covariance import subsample_mask
 from hdi_monitor.functional.kernel import (
     DEFAULT_CHUNK_BYTES,
+    ComputeDtype,
     KernelStatsResult,
     check_kernel_call,
+    kernel_dtype,
     kernel_results,
     kernel_sums,
+    subsample_queries,
 )
 from hdi_monitor.measure.accumulators import Accumulator, StateSpec
 from hdi_monitor.models.base import AttentionLayer, ErrorHandler, TraceSignal
@@ -32,8 +34,6 @@ from hdi_monitor.models.kernel_capture import KernelCall, KernelCapture
 __all__ = ["ComputeDtype", "KernelStatsAccumulator", "KernelStatsCapture", "compute_kernel_results"]
 
 _F64 = torch.float64
-
-ComputeDtype = Literal["auto", "float32", "float64"]
 
 
 class KernelStatsAccumulator(Accumulator):
@@ -127,14 +127,10 @@ class KernelStatsAccumulator(Accumulator):
         if q.shape[1] != self.num_heads:
             raise ValueError(f"q has {q.shape[1]} heads, this accumulator measures {self.num_heads}")
         states = self._allocate(q.device)
-        slots = None
-        if self.max_tokens is not None and self.max_tokens < keep.numel():
-            keep, slots = subsample_mask(keep, self.max_tokens, self.generator), self.max_tokens
-        wide = q.dtype == _F64 or k.dtype == _F64 or q.device.type == "cpu"
-        dtype = {"auto": _F64 if wide else torch.float32, "float32": torch.float32, "float64": _F64}[self.compute_dtype]
+        keep, slots = subsample_queries(keep, self.max_tokens, self.generator)
         ent, ref, count, top = kernel_sums(
-            q, k, keep, slots=slots, scale=scale, mask=mask, is_causal=is_causal, kv_map=kv_map, dtype=dtype,
-            chunk_bytes=self.chunk_bytes,
+            q, k, keep, slots=slots, scale=scale, mask=mask, is_causal=is_causal, kv_map=kv_map,
+            dtype=kernel_dtype(q, k, self.compute_dtype), chunk_bytes=self.chunk_bytes,
         )  # fmt: skip
         dev = states["entropy_sum"].device
         states["entropy_sum"].add_(ent.to(dev))

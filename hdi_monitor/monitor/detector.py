@@ -79,6 +79,24 @@ _METRIC_NAMES = {
 }
 
 
+def _check_warmup(warmup_measurements: int, warmup_steps: int | None) -> tuple[int, int | None]:
+    """A detector's warm-up settings, checked: ``warmup_measurements`` an int >= 0, ``warmup_steps``
+    None or an int >= 0 (TypeError, ValueError otherwise)."""
+    measurements = check_int("warmup_measurements", check_index("warmup_measurements", warmup_measurements), low=0)
+    if warmup_steps is not None:
+        warmup_steps = check_int("warmup_steps", check_index("warmup_steps", warmup_steps), low=0)
+    return measurements, warmup_steps
+
+
+def _warming(step: int, seen: int, warmup_measurements: int, warmup_steps: int | None) -> bool:
+    """True while a series is warming up: its ``seen``-th measurement (1-based), at ``step``, is
+    ignored: a step below ``warmup_steps`` when that is set, else one of the first
+    ``warmup_measurements`` measurements."""
+    if warmup_steps is not None:
+        return step < warmup_steps
+    return seen <= warmup_measurements
+
+
 def _measurement(value: Any) -> float | None:
     """The value as a float, or None when it is missing (None, NaN, inf)."""
     if value is None:
@@ -185,11 +203,7 @@ class SaturationDetector:
                 f"min_delta must be >= 0 (higher is better for every metric watched), got {min_delta}; "
                 "pass its absolute value"
             )
-        warmup_measurements = check_int(
-            "warmup_measurements", check_index("warmup_measurements", warmup_measurements), low=0
-        )
-        if warmup_steps is not None:
-            warmup_steps = check_int("warmup_steps", check_index("warmup_steps", warmup_steps), low=0)
+        warmup_measurements, warmup_steps = _check_warmup(warmup_measurements, warmup_steps)
         collapse_delta = check_real("collapse_delta", collapse_delta, low=0.0, low_open=True)
         redundancy_threshold = check_real(
             "redundancy_threshold", redundancy_threshold, low=0.0, high=1.0, low_open=True
@@ -299,9 +313,7 @@ class SaturationDetector:
     def warming(self, step: int, seen: int) -> bool:
         """True while a series is warming up: its ``seen``-th measurement at ``step`` (1-based) is
         ignored (see ``warmup_measurements`` and ``warmup_steps``)."""
-        if self.warmup_steps is not None:
-            return step < self.warmup_steps
-        return seen <= self.warmup_measurements
+        return _warming(step, seen, self.warmup_measurements, self.warmup_steps)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state (ints, floats, strs, bools, None, lists, dicts): loadable with

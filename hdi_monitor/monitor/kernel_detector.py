@@ -9,8 +9,8 @@ from typing import Any
 
 from hdi_monitor._validation import check_index, check_int, check_real
 from hdi_monitor.events import DiversityEvent
-from hdi_monitor.evidence import backed, evidence_clause
-from hdi_monitor.monitor.detector import MAX_KEPT_EVENTS, _measurement
+from hdi_monitor.evidence import backed
+from hdi_monitor.monitor.detector import MAX_KEPT_EVENTS, _check_warmup, _evidence, _measurement, _warming
 
 __all__ = ["KernelDetector"]
 
@@ -18,10 +18,10 @@ __all__ = ["KernelDetector"]
 _KERNEL_STATE_VERSION = 1
 
 
-def _evidence(signal: str) -> str:
-    """What the warnings study measured for ``signal`` out of sample, for an event message."""
-    clause = evidence_clause(signal)
-    return clause if backed(signal) else f"an observation, not a validated warning: {clause}"
+def _advice_and_evidence(signal: str, advice: str) -> str:
+    """The end of a ``signal`` event's message: ``"; {advice}"`` only where the warnings study backs
+    acting on the signal, then what the study measured for it, in parentheses, and a full stop."""
+    return (f"; {advice}" if backed(signal) else "") + f" ({_evidence(signal)})."
 
 
 class KernelDetector:
@@ -69,14 +69,7 @@ class KernelDetector:
         patience: int = 10,
         min_logit: float = 10.0,
     ) -> None:
-        self.warmup_measurements = check_int(
-            "warmup_measurements", check_index("warmup_measurements", warmup_measurements), low=0
-        )
-        self.warmup_steps = (
-            None
-            if warmup_steps is None
-            else check_int("warmup_steps", check_index("warmup_steps", warmup_steps), low=0)
-        )
+        self.warmup_measurements, self.warmup_steps = _check_warmup(warmup_measurements, warmup_steps)
         self._seen: dict[str, int] = {}  # layer -> measurements fed, warm-up included
         self.entropy_fraction = check_real(
             "entropy_fraction", entropy_fraction, low=0.0, high=1.0, low_open=True, high_open=True
@@ -138,7 +131,7 @@ class KernelDetector:
             raise ValueError(f"step {step} for {layer!r} is not after the previous measurement at step {last}")
         self._last_step[layer] = step
         self._seen[layer] = seen = self._seen.get(layer, 0) + 1
-        if step < self.warmup_steps if self.warmup_steps is not None else seen <= self.warmup_measurements:
+        if _warming(step, seen, self.warmup_measurements, self.warmup_steps):
             return []
         ent, ref, top = _measurement(entropy), _measurement(uniform), _measurement(max_logit)
         events: list[DiversityEvent] = []
@@ -153,12 +146,9 @@ class KernelDetector:
                     f"Attention entropy of '{layer}' fell to {ent:.3f} nats at step {step}, below "
                     f"{self.entropy_fraction:.3g} of its best {best:.3f}{ref_text}: the heads attend to ever fewer "
                     "keys (entropy collapse, reported to precede loss spikes at high learning rates)"
-                    + (
-                        "; consider QK-norm, a lower learning rate or a longer warmup"
-                        if backed("entropy_collapse")
-                        else ""
+                    + _advice_and_evidence(
+                        "entropy_collapse", "consider QK-norm, a lower learning rate or a longer warmup"
                     )
-                    + f" ({_evidence('entropy_collapse')})."
                 )
                 events.append(
                     DiversityEvent(
@@ -188,12 +178,9 @@ class KernelDetector:
                     message = (
                         f"Maximum attention logit of '{layer}' is {top:.3f} at step {step}, {why}: the attention "
                         "kernel is sharpening (logit growth is reported to precede loss spikes and divergence)"
-                        + (
-                            "; consider QK-norm, qk-clip, a lower learning rate or more weight decay"
-                            if backed("logit_blowup")
-                            else ""
+                        + _advice_and_evidence(
+                            "logit_blowup", "consider QK-norm, qk-clip, a lower learning rate or more weight decay"
                         )
-                        + f" ({_evidence('logit_blowup')})."
                     )
                     events.append(
                         DiversityEvent(

@@ -126,21 +126,13 @@ class LayerDiversity:
 
     @property
     def max_attention_logit_max(self) -> float | None:
-        """Largest ``max_attention_logit`` over heads; None when not measured."""
-        t = self.max_attention_logit
-        if t is None:
-            return None
-        finite = t[torch.isfinite(t)]
-        return float(finite.max()) if finite.numel() else None
+        """Largest finite ``max_attention_logit`` over heads; None when not measured or no head has one."""
+        return _finite_max(self.max_attention_logit)
 
     @property
     def logit_bound_max(self) -> float | None:
         """Largest finite ``logit_bound`` over heads; None when not computed or no head has one."""
-        t = self.logit_bound
-        if t is None:
-            return None
-        finite = t[torch.isfinite(t)]
-        return float(finite.max()) if finite.numel() else None
+        return _finite_max(self.logit_bound)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (NaN becomes None)."""
@@ -303,10 +295,19 @@ def _finite_or_none(value: float) -> float | None:
 
 
 def _nanmean(t: Tensor | None) -> float | None:
+    """Mean of the finite entries of ``t`` (in float64); None when ``t`` is None or has none."""
     if t is None:
         return None
     finite = t[torch.isfinite(t)]
     return float(finite.double().mean()) if finite.numel() else None
+
+
+def _finite_max(t: Tensor | None) -> float | None:
+    """Largest finite entry of ``t``; None when ``t`` is None or has none (NaN and inf left out)."""
+    if t is None:
+        return None
+    finite = t[torch.isfinite(t)]
+    return float(finite.max()) if finite.numel() else None
 
 
 def _nested(t: Tensor) -> list:
