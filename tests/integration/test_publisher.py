@@ -107,24 +107,25 @@ def test_a_renderer_that_never_returns_costs_its_pictures_not_the_run(stuck_in):
 
 
 def test_a_slow_image_sink_never_holds_the_training_step():
-    """The worker's image writes share no lock with the training thread's scalar writes: an 8 s image
-    upload does not make the next steps wait (the first of them waited for it when they shared the
-    sink's lock)."""
+    """The worker's image writes share no lock with the training thread's scalar writes: an image
+    upload that has not returned does not make the next steps wait (the first of them waited for it
+    when they shared the sink's lock; here that wait would last until the upload's 60 s bound)."""
 
-    uploading = threading.Event()
+    uploading, release = threading.Event(), threading.Event()
 
     class SlowImages(MemorySink):
         def log_images(self, images, step):  # noqa: ANN001
             uploading.set()
-            time.sleep(8.0)
+            release.wait(timeout=60.0)  # the upload ends when the test has taken its steps
             super().log_images(images, step)
 
     model = encoder()
     sink = SlowImages()
     tracker = HDITracker(model, every_n_steps=1, log_images_every_n_steps=4, sinks=[sink], strict=True)
-    _step(tracker, model)  # step 0: an image step, its upload takes 8 s on the worker
+    _step(tracker, model)  # step 0: an image step, its upload blocks the worker until release
     assert uploading.wait(timeout=60.0)  # the worker is inside log_images now (the picture is drawn)
     held = [_step(tracker, model) for _ in range(3)]  # steps 1-3 write scalars to the same sink
+    release.set()
     assert max(held) < 5.0, held
     tracker.close()
     assert {s for s, _, _ in sink.images} >= {0} and sorted({s for s, _, _ in sink.scalars}) == [0, 1, 2, 3]
