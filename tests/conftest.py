@@ -21,6 +21,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # one thread per pytest-xdist worker (two workers share CI's two cores), at most two otherwise
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # and one for the interpreters the tests start (the CLI, the docs' blocks, the examples, the
+    # quick studies): an OpenMP team of two beside the other worker spins on a busy core
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
