@@ -45,7 +45,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from hdi_monitor._validation import check_choice, check_int
+from hdi_monitor._validation import check_int
 from hdi_monitor.functional._numerics import ieee_float32_matmul, no_autocast
 from hdi_monitor.functional.covariance import subsample_mask
 
@@ -80,6 +80,7 @@ _F64 = torch.float64
 #: The dtype choice of the logits and the softmax: ``"auto"`` (see `kernel_dtype`), ``"float32"`` or
 #: ``"float64"``.
 ComputeDtype = Literal["auto", "float32", "float64"]
+_NAMED_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": _F64}
 
 
 @dataclass(frozen=True)
@@ -229,9 +230,13 @@ def kernel_dtype(q: Tensor, k: Tensor, compute_dtype: ComputeDtype = "auto") -> 
     run at a small fraction of the float32 rate on many GPUs); ``"float32"`` and ``"float64"`` as
     named. Never below float32.
     """
-    if check_choice("compute_dtype", compute_dtype, ComputeDtype) == "auto":
+    if compute_dtype == "auto":
         return _F64 if q.dtype == _F64 or k.dtype == _F64 or q.device.type == "cpu" else torch.float32
-    return _F64 if compute_dtype == "float64" else torch.float32
+    named = _NAMED_DTYPES.get(compute_dtype) if isinstance(compute_dtype, str) else None
+    if named is None:  # a plain lookup: this runs on every kernel call of a measured step
+        options = ("auto", *_NAMED_DTYPES)
+        raise ValueError(f"compute_dtype must be one of {options}, got {compute_dtype!r}")
+    return named
 
 
 def kernel_sums(

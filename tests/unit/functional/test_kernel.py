@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hdi_monitor.functional.kernel import MASKED_AT, attention_kernel_stats
+from hdi_monitor.functional.kernel import MASKED_AT, attention_kernel_stats, kernel_dtype, subsample_queries
 from hdi_monitor.measure.kernel import KernelStatsCapture
 
 TOL = 1e-9
@@ -162,3 +162,36 @@ def test_a_position_bias_never_unmasks_a_padded_key():
     torch.testing.assert_close(res.uniform_entropy, uni, atol=TOL, rtol=0)
     torch.testing.assert_close(res.entropy, ent, atol=1e-5, rtol=0)
     torch.testing.assert_close(res.max_logit, top, atol=1e-4, rtol=0)
+
+
+def test_kernel_dtype_is_float64_on_the_cpu_the_named_one_otherwise_and_refuses_others():
+    """``"auto"`` is float64 on the CPU (and for float64 inputs), float32 elsewhere; a named dtype is
+    that dtype; anything else is refused with the choices named (never a silent float32)."""
+    half = torch.zeros(2, dtype=torch.float16)
+    assert kernel_dtype(half, half) is torch.float64  # CPU
+    assert kernel_dtype(half, half, "float32") is torch.float32
+    assert kernel_dtype(half, half, "float64") is torch.float64
+    if torch.cuda.is_available():
+        gpu = half.cuda()
+        assert kernel_dtype(gpu, gpu) is torch.float32
+        assert kernel_dtype(gpu, gpu.double()) is torch.float64
+    for bad in ("bfloat16", "float16", None, 64):
+        with pytest.raises(ValueError, match=r"compute_dtype must be one of \('auto', 'float32', 'float64'\)"):
+            kernel_dtype(half, half, bad)  # type: ignore[arg-type]
+
+
+def test_subsample_queries_keeps_max_tokens_of_the_kept_queries_from_the_given_generator():
+    """At most ``max_tokens`` of the kept queries, all of them kept ones, drawn from the generator
+    (the same seed gives the same draw; the global random state is not touched)."""
+    keep = torch.tensor([True, False, True, True, True, True, False, True])  # flat, as check_kernel_call gives
+    assert subsample_queries(keep, None) == (keep, None)
+    same, slots = subsample_queries(keep, 8)
+    assert same is keep and slots is None
+    state = torch.random.get_rng_state()
+    drawn, slots = subsample_queries(keep, 3, torch.Generator().manual_seed(1))
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert slots == 3 and int(drawn.sum()) == 3 and not bool((drawn & ~keep).any())
+    again, _ = subsample_queries(keep, 3, torch.Generator().manual_seed(1))
+    assert torch.equal(drawn, again)
+    with pytest.raises((TypeError, ValueError)):
+        subsample_queries(keep, 1.5)  # type: ignore[arg-type]
